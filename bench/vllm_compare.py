@@ -1,0 +1,260 @@
+"""Our layer's cost over vLLM, and the CPU engine against vLLM's CPU engine, on one load in one run.
+
+Servers run one at a time (so they never compete for cores) on the same model, batch size and
+context length, and each gets the same ``neuron-lmi bench`` load (OpenAI completions, streamed, a
+fixed prompt/output length, EOS ignored) after a warm-up:
+
+    ours-vllm   neuron-lmi serve --backend vllm
+    vllm        python -m vllm.entrypoints.openai.api_server     (vLLM's own server)
+    ours-cpu    neuron-lmi serve --backend cpu                    (the torch reference engine)
+
+Run it from the vLLM environment (``scripts/setup_vllm_env.sh``); the CPU engine runs from the main
+``.venv`` when that exists (``--cpu-python``). ``--rounds 2`` alternates the servers to expose drift.
+
+    .venv-vllm/bin/python bench/vllm_compare.py --concurrency 8 --requests 64 --out results/vllm_compare.json
+
+Prints throughput and TTFT of each, the ratio ours-vllm / vllm (target >= 0.95 on throughput), and
+ours-cpu / vllm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_CPU_ENV = {
+    "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(proc: subprocess.Popen, url: str, path: str, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode} during start-up:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"server not ready after {timeout_s}s:\n{log.read_text()[-3000:]}")
+
+
+def server_command(name: str, args: argparse.Namespace, model_dir: Path, port: int) -> tuple[list[str], str]:
+    """The command line for one server and the path that answers 200 once it is ready."""
+    common = ["--max-rolling-batch-size", str(args.batch), "--n-positions", str(args.n_positions)]
+    if name == "ours-vllm":
+        return [
+            sys.executable,
+            "-m",
+            "gpu_fallback.serve",
+            "serve",
+            "--backend",
+            "vllm",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--dtype",
+            "fp32",
+            *common,
+        ], "/ping"
+    if name == "ours-cpu":
+        return [
+            args.cpu_python,
+            "-m",
+            "neuron_lmi.cli",
+            "serve",
+            "--backend",
+            "cpu",
+            "--model",
+            args.cpu_model,
+            "--port",
+            str(port),
+            "--dtype",
+            "fp32",
+            *common,
+        ], "/ping"
+    if name == "vllm":
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            "smollm2",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            str(args.batch),
+            "--max-model-len",
+            str(args.n_positions),
+            "--dtype",
+            "float32",
+            "--seed",
+            "0",
+            "--disable-log-requests",
+        ], "/health"
+    raise ValueError(f"unknown server {name!r}")
+
+
+def bench_once(url: str, args: argparse.Namespace, out: Path, requests: int) -> dict:
+    cmd = [
+        args.cpu_python if Path(args.cpu_python).exists() else sys.executable,
+        "-m",
+        "neuron_lmi.cli",
+        "bench",
+        "--url",
+        url,
+        "--api",
+        "openai",
+        "--openai-endpoint",
+        "completions",
+        "--model",
+        "smollm2",
+        "--concurrency",
+        str(args.concurrency),
+        "--requests",
+        str(requests),
+        "--prompt-tokens",
+        str(args.prompt_tokens),
+        "--output-tokens",
+        str(args.output_tokens),
+        "--stream",
+        "--ignore-eos",
+        "--seed",
+        str(args.seed),
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())["levels"][0]
+
+
+def run_server(name: str, args: argparse.Namespace, model_dir: Path, work: Path, round_no: int) -> dict:
+    port = free_port()
+    cmd, ready = server_command(name, args, model_dir, port)
+    log = work / f"{name}-{round_no}.log"
+    env = {**os.environ, **VLLM_CPU_ENV, "SM_MODEL_DIR": str(work / "no-sm")}
+    started = time.monotonic()
+    with log.open("wb") as handle:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(proc, url, ready, log, args.startup_timeout)
+        startup_s = time.monotonic() - started
+        bench_once(url, args, work / f"{name}-{round_no}-warmup.json", max(2, args.concurrency))
+        result = bench_once(url, args, work / f"{name}-{round_no}.json", args.requests)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    result["startup_s"] = startup_s
+    print(
+        f"[{name} round {round_no}] start-up {startup_s:.0f}s, {result['output_tokens_per_s']:.1f} tok/s, "
+        f"TTFT p50 {result['ttft_p50_ms']:.0f} ms, errors {result['errors']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return result
+
+
+def summarize(results: dict[str, list[dict]]) -> dict:
+    def mean(name: str, key: str) -> float:
+        values = [r[key] for r in results[name]]
+        return sum(values) / len(values)
+
+    out: dict = {}
+    for name in results:
+        out[name] = {
+            k: mean(name, k) for k in ("output_tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms")
+        }
+        out[name]["errors"] = sum(r["errors"] for r in results[name])
+    if "vllm" in results:
+        base = out["vllm"]
+        for name in (n for n in results if n != "vllm"):
+            out[f"{name}/vllm"] = {
+                "throughput_ratio": out[name]["output_tokens_per_s"] / base["output_tokens_per_s"],
+                # > 1 means slower first token than vLLM's own server.
+                "ttft_ratio": out[name]["ttft_p50_ms"] / base["ttft_p50_ms"],
+            }
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--servers", default="ours-vllm,vllm,ours-cpu", help="which servers, in order")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the whole sequence this many times")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8, help="max rolling batch = vLLM max_num_seqs")
+    parser.add_argument("--n-positions", type=int, default=1024, help="= vLLM max_model_len")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--cpu-python", default=str(ROOT / ".venv" / "bin" / "python"))
+    parser.add_argument("--cpu-model", help="what the CPU engine serves (default: the same safetensors)")
+    parser.add_argument("--out", type=Path, help="write every run and the summary as JSON")
+    args = parser.parse_args()
+    if not Path(args.cpu_python).exists():
+        args.cpu_python = sys.executable
+
+    from gpu_fallback.convert import ensure_safetensors_dir
+    from neuron_lmi.models.builtin import smollm2_gguf_path
+
+    model_dir = ensure_safetensors_dir(smollm2_gguf_path())
+    args.cpu_model = args.cpu_model or str(model_dir)
+    names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory(prefix="vllm_compare.") as tmp:
+        for round_no in range(args.rounds):
+            for name in names:
+                results[name].append(run_server(name, args, model_dir, Path(tmp), round_no))
+    summary = summarize(results)
+    print(json.dumps(summary, indent=2))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(
+            json.dumps(
+                {"args": vars(args) | {"out": str(args.out)}, "runs": results, "summary": summary},
+                indent=2,
+                default=str,
+            )
+            + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Deployment helpers and artifacts: SageMaker (``deploy.sagemaker``), Dockerfiles, Kubernetes, systemd."""

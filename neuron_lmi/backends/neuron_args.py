@@ -1,0 +1,215 @@
+"""From our compile settings to transformers-neuronx's arguments: a pure mapping, then one lazy build.
+
+    NeuronCompileSpec --map_compile_spec--> MappedNeuronArgs
+        .from_pretrained_kwargs  LlamaForSampling/MistralForSampling.from_pretrained(path, **kwargs)
+        .neuron_config           plain description of NeuronConfig's fields
+        .env                     NEURON_CC_FLAGS, NEURON_COMPILE_CACHE_URL for the compiler process
+    build_neuron_config(mapped) -> transformers_neuronx.NeuronConfig (imports the library lazily)
+
+Facts used, read in aws-neuron/transformers-neuronx (v0.13): ``from_pretrained`` takes
+``batch_size, tp_degree, n_positions, amp ('f32'|'f16'|'bf16'), context_length_estimate`` and
+``neuron_config`` (``llama/model.py``); ``config.py`` ``ContinuousBatchingConfig(max_num_seqs=...)``
+(alias ``batch_size_for_shared_caches``), ``NeuronConfig(continuous_batching, group_query_attention,
+fuse_qkv, padding_side, quant)``, continuous batching forcing ``padding_side='right'``, and
+``QuantizationConfig(quant_dtype='s8', dequant_dtype=amp)`` (the dequant type must match amp);
+``bucket.py``: token buckets double from 128 up to ``n_positions`` and default context buckets are
+half of each token bucket.  LMI's keys and flag handling: djl-serving ``tnx_properties.py``.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from neuron_lmi.parallel.tnx_rules import GQAStrategy
+
+AMP = MappingProxyType({"fp32": "f32", "fp16": "f16", "bf16": "bf16"})
+QUANTIZE_METHODS = ("static_int8",)  # LMI's option.quantize for transformers-neuronx
+NEURON_PACKAGES = ("transformers-neuronx", "torch-neuronx", "neuronx-cc")
+NEURON_PIP_REPOSITORY = "https://pip.repos.neuron.amazonaws.com"
+MIN_BUCKET = 128
+
+
+@dataclass(frozen=True, slots=True)
+class NeuronCompileSpec:
+    """What to compile, in LMI's vocabulary (``option.*``).
+
+    Invariants (checked on construction): positive ``tp_degree``, ``batch_size`` (the max rolling
+    batch size, which is also the continuous-batching ``max_num_seqs``) and ``n_positions``; ``dtype``
+    in ``AMP``; context estimates positive, at most ``n_positions``, stored sorted and unique;
+    ``group_query_attention`` one of the four GQA names or ``None``; ``neuron_optimize_level`` 1-3.
+    """
+
+    model_path: str
+    tp_degree: int
+    batch_size: int
+    n_positions: int
+    dtype: str = "fp16"
+    context_length_estimate: tuple[int, ...] | None = None
+    group_query_attention: str | None = None
+    fuse_qkv: bool = False
+    quantize: str | None = None
+    neuron_optimize_level: int | None = None
+    enable_saturate_infinity: bool = False
+    enable_mixed_precision_accumulation: bool = False
+    compiled_graph_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path must not be empty")
+        for name in ("tp_degree", "batch_size", "n_positions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.dtype not in AMP:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {', '.join(AMP)}")
+        if self.context_length_estimate is not None:
+            estimates = tuple(sorted(set(self.context_length_estimate)))
+            bad = [e for e in estimates if isinstance(e, bool) or not isinstance(e, int) or e < 1]
+            if bad or not estimates:
+                raise ValueError(
+                    f"context_length_estimate needs positive integers, got {self.context_length_estimate!r}"
+                )
+            if estimates[-1] > self.n_positions:
+                raise ValueError(
+                    f"context_length_estimate {estimates[-1]} exceeds n_positions={self.n_positions}"
+                )
+            object.__setattr__(self, "context_length_estimate", estimates)
+        gqa = GQAStrategy.parse(self.group_query_attention)
+        object.__setattr__(self, "group_query_attention", gqa.value if gqa else None)
+        if self.quantize is not None and self.quantize not in QUANTIZE_METHODS:
+            raise ValueError(f"quantize={self.quantize!r} is not one of {', '.join(QUANTIZE_METHODS)}")
+        level = self.neuron_optimize_level
+        if level is not None and (isinstance(level, bool) or level not in (1, 2, 3)):
+            raise ValueError(f"neuron_optimize_level must be 1, 2 or 3, got {level!r}")
+
+    @property
+    def amp(self) -> str:
+        return AMP[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class MappedNeuronArgs:
+    """The library-facing form of a ``NeuronCompileSpec``; plain, JSON-serialisable values only.
+
+    The dicts are fresh per ``map_compile_spec`` call; callers treat them as read-only.
+    """
+
+    model_path: str
+    from_pretrained_kwargs: dict[str, Any]
+    neuron_config: dict[str, Any]
+    env: dict[str, str]
+    token_buckets: tuple[int, ...] = field(default=())
+    context_buckets: tuple[int, ...] = field(default=())
+
+
+def token_buckets(n_positions: int) -> tuple[int, ...]:
+    """``bucket.token_sizes``: 128, 256, ... doubling while below ``n_positions``, then ``n_positions``."""
+    if isinstance(n_positions, bool) or not isinstance(n_positions, int) or n_positions < 1:
+        raise ValueError(f"n_positions must be a positive integer, got {n_positions!r}")
+    sizes, size = [], MIN_BUCKET
+    while size < n_positions:
+        sizes.append(size)
+        size *= 2
+    sizes.append(n_positions)
+    return tuple(sizes)
+
+
+def context_buckets(
+    n_positions: int, context_length_estimate: tuple[int, ...] | None = None
+) -> tuple[int, ...]:
+    """``bucket.context_sizes``: the given estimates sorted, or half of each token bucket."""
+    if context_length_estimate:
+        return tuple(sorted(context_length_estimate))
+    return tuple(bucket // 2 for bucket in token_buckets(n_positions))
+
+
+def map_compile_spec(spec: NeuronCompileSpec, existing_cc_flags: str = "") -> MappedNeuronArgs:
+    """Pure mapping; ``existing_cc_flags`` is the caller's current ``NEURON_CC_FLAGS`` (kept first,
+    as LMI appends to it).  A flag already present is not repeated; an ``-O``/``--optlevel`` flag
+    already present is replaced by ``neuron_optimize_level`` when that is set."""
+    kwargs: dict[str, Any] = {
+        "batch_size": spec.batch_size,
+        "tp_degree": spec.tp_degree,
+        "n_positions": spec.n_positions,
+        "amp": spec.amp,
+    }
+    if spec.context_length_estimate is not None:
+        kwargs["context_length_estimate"] = list(spec.context_length_estimate)
+    neuron_config: dict[str, Any] = {
+        "continuous_batching": {"max_num_seqs": spec.batch_size},
+        "group_query_attention": spec.group_query_attention,
+        "fuse_qkv": spec.fuse_qkv,
+        "padding_side": "right",  # the library forces it with continuous batching
+        "quant": {"quant_dtype": "s8", "dequant_dtype": spec.amp} if spec.quantize else None,
+    }
+    return MappedNeuronArgs(
+        model_path=spec.model_path,
+        from_pretrained_kwargs=kwargs,
+        neuron_config=neuron_config,
+        env=_environment(spec, existing_cc_flags),
+        token_buckets=token_buckets(spec.n_positions),
+        context_buckets=context_buckets(spec.n_positions, spec.context_length_estimate),
+    )
+
+
+def build_neuron_config(mapped: MappedNeuronArgs) -> Any:
+    """The real ``transformers_neuronx.NeuronConfig`` for ``mapped``; needs the Neuron SDK.
+
+    Raises ``RuntimeError`` naming the missing packages and where they come from when the import
+    fails (they are not on PyPI's default index but on AWS's Neuron pip repository).
+    """
+    try:
+        from transformers_neuronx import GQA, NeuronConfig, QuantizationConfig
+        from transformers_neuronx.config import ContinuousBatchingConfig
+    except ImportError as exc:
+        raise RuntimeError(
+            f"building a NeuronConfig needs the AWS Neuron SDK ({', '.join(NEURON_PACKAGES)}), "
+            f"which could not be imported ({exc}); install them from AWS's Neuron pip repository: "
+            f"pip install --extra-index-url {NEURON_PIP_REPOSITORY} {' '.join(NEURON_PACKAGES)}"
+        ) from exc
+    fields = dict(mapped.neuron_config)
+    kwargs: dict[str, Any] = {
+        "continuous_batching": ContinuousBatchingConfig(**fields["continuous_batching"]),
+        "fuse_qkv": fields["fuse_qkv"],
+        "padding_side": fields["padding_side"],
+    }
+    if fields["group_query_attention"] is not None:
+        kwargs["group_query_attention"] = GQA(fields["group_query_attention"])
+    if fields["quant"] is not None:
+        kwargs["quant"] = QuantizationConfig(**fields["quant"])
+    return NeuronConfig(**kwargs)
+
+
+def _environment(spec: NeuronCompileSpec, existing_cc_flags: str) -> dict[str, str]:
+    flags = shlex.split(existing_cc_flags)
+    if spec.neuron_optimize_level is not None:
+        flags = [*_without_opt_level(flags), f"-O{spec.neuron_optimize_level}"]
+    if spec.enable_saturate_infinity:
+        flags.append("--enable-saturate-infinity")
+    if spec.enable_mixed_precision_accumulation:
+        flags.append("--enable-mixed-precision-accumulation")
+    unique = list(dict.fromkeys(flags))
+    env: dict[str, str] = {}
+    if unique:
+        env["NEURON_CC_FLAGS"] = shlex.join(unique)
+    if spec.compiled_graph_path:
+        env["NEURON_COMPILE_CACHE_URL"] = spec.compiled_graph_path
+    return env
+
+
+def _without_opt_level(flags: list[str]) -> list[str]:
+    """Drop ``-O<n>``, ``--optlevel=<n>`` and ``--optlevel <n>``."""
+    kept: list[str] = []
+    skip_value = False
+    for flag in flags:
+        if skip_value:
+            skip_value = False
+        elif flag == "--optlevel":
+            skip_value = True
+        elif not re.fullmatch(r"-O\d|--optlevel=\d", flag):
+            kept.append(flag)
+    return kept

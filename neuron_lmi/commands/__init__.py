@@ -1,0 +1,1 @@
+"""One module per ``neuron-lmi`` subcommand; each exposes ``add_parser(subparsers)``."""

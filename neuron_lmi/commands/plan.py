@@ -1,0 +1,192 @@
+"""``neuron-lmi plan``: which tensor-parallel degree a model needs on a Neuron instance, and why.
+
+    neuron-lmi plan --model llama-2-70b --instance inf2.48xlarge --dtype fp16
+    neuron-lmi plan --model ./my-model --json          # every instance, machine-readable
+
+Exit status: 0 with a plan; 1 when ``--instance`` is given and the model fits at no tp degree there;
+2 for unknown or inconsistent inputs (the message names the offending value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from neuron_lmi.parallel.catalog import GIB, INSTANCES, PRESETS, get_instance, load_model_spec
+from neuron_lmi.parallel.planner import (
+    DEFAULT_HEADROOM,
+    DTYPE_BYTES,
+    InstancePlan,
+    plan_all_instances,
+    plan_instance,
+)
+from neuron_lmi.parallel.tnx_rules import GQAStrategy
+
+MIB = 1024**2
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plan",
+        help="size a model per NeuronCore for every tp degree and recommend one",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--model",
+        required=True,
+        help=f"a preset ({', '.join(PRESETS)}), a model directory, or a config.json",
+    )
+    parser.add_argument("--instance", help=f"one of {', '.join(INSTANCES)}; omitted: compare all")
+    parser.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BYTES), help="weights and KV cache")
+    parser.add_argument(
+        "--n-positions", type=int, help="KV-cache length per row (default min(max_position_embeddings, 4096))"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="KV rows that must fit (LMI max_rolling_batch_size); shard-over-batch needs it divisible by tp",
+    )
+    parser.add_argument(
+        "--headroom",
+        type=float,
+        default=DEFAULT_HEADROOM,
+        help="fraction of each core's 16 GiB kept free for NEFFs, activations and runtime (default 0.1)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        model = load_model_spec(args.model)
+        kwargs = {
+            "dtype": args.dtype,
+            "n_positions": args.n_positions,
+            "batch_size": args.batch_size,
+            "headroom": args.headroom,
+        }
+        if args.instance:
+            plans: tuple[InstancePlan, ...] = (plan_instance(model, get_instance(args.instance), **kwargs),)
+        else:
+            plans = plan_all_instances(model, **kwargs)
+    except ValueError as exc:
+        print(f"neuron-lmi plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        payload: object = (
+            plans[0].to_dict()
+            if args.instance
+            else {
+                "model": model.name,
+                "instances": [p.to_dict() for p in plans],
+            }
+        )
+        print(json.dumps(payload, indent=2))
+    else:
+        print(format_instance_plan(plans[0]) if args.instance else format_comparison(plans))
+    return 1 if args.instance and plans[0].recommended_tp is None else 0
+
+
+def format_instance_plan(plan: InstancePlan) -> str:
+    """Two tables (the default strategy per tp, then KV per row under each GQA strategy) and the
+    recommendation."""
+    lines = [
+        f"{plan.model} on {plan.instance} ({plan.cores} NeuronCores x 16 GiB), {plan.dtype}, "
+        f"n_positions={plan.n_positions}, batch_size={plan.batch_size}",
+        f"budget per core: {_gib(plan.budget_bytes_per_core)} (16 GiB less {plan.headroom:.0%} headroom); "
+        "token embedding stays on the host",
+        "",
+    ]
+    header = (
+        "tp",
+        "replicas",
+        "GQA (default)",
+        "q/kv heads",
+        "weights/core",
+        "padding",
+        "KV/row/core",
+        "max rows",
+        "fits",
+    )
+    rows = [
+        (
+            str(o.tp_degree),
+            str(o.replicas),
+            o.strategy,
+            f"{o.query_heads_padded}/{o.kv_heads_effective}",
+            _gib(o.weight_bytes_per_core),
+            _mib(o.padding_bytes_per_core),
+            _mib(o.kv_bytes_per_row_per_core),
+            str(o.max_rows),
+            "yes" if o.fits else "no",
+        )
+        for o in plan.options
+    ]
+    lines += _table(header, rows)
+    lines += ["", "KV bytes per row per core by requested GQA strategy (-> what the library falls back to):"]
+    header = ("tp", *(s.value for s in GQAStrategy))
+    rows = [
+        (
+            str(o.tp_degree),
+            *(
+                _mib(c.kv_bytes_per_row_per_core)
+                + ("" if c.effective == c.requested else f" -> {c.effective}")
+                for c in o.strategies
+            ),
+        )
+        for o in plan.options
+    ]
+    lines += _table(header, rows)
+    fallbacks = [(o.tp_degree, o.fallback_reason) for o in plan.options if o.fallback_reason]
+    lines += [f"  tp={tp}: {reason}" for tp, reason in fallbacks]
+    verdict = "recommendation" if plan.recommended_tp is not None else "DOES NOT FIT"
+    lines += ["", f"{verdict}: {plan.reason}"]
+    return "\n".join(lines)
+
+
+def format_comparison(plans: tuple[InstancePlan, ...]) -> str:
+    """One line per instance: the recommended tp degree, or that the model does not fit."""
+    first = plans[0]
+    lines = [
+        f"{first.model}, {first.dtype}, n_positions={first.n_positions}, batch_size={first.batch_size}, "
+        f"headroom {first.headroom:.0%}",
+        "",
+    ]
+    header = ("instance", "cores", "tp degrees", "recommended tp", "replicas", "weights/core", "max rows")
+    rows = []
+    for plan in plans:
+        pick = plan.recommended
+        rows.append(
+            (
+                plan.instance,
+                str(plan.cores),
+                ",".join(str(o.tp_degree) for o in plan.options),
+                str(pick.tp_degree) if pick else "does not fit",
+                str(pick.replicas) if pick else "-",
+                _gib(pick.weight_bytes_per_core) if pick else "-",
+                str(pick.max_rows) if pick else "-",
+            )
+        )
+    lines += _table(header, rows)
+    lines += [""] + [f"{p.instance}: {p.reason}" for p in plans]
+    return "\n".join(lines)
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=False)]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in (header, *rows)
+    ]
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.1f} MiB"

@@ -1,0 +1,154 @@
+"""The one table from LMI's names (properties keys, environment variables, CLI names) to config fields.
+
+Nothing else in the project reads these environment variables for configuration: the loader walks
+:data:`KEYS` and nothing more. A properties key or ``OPTION_*``/``SERVING_*`` variable that no entry
+claims is reported as ignored.
+
+Invariants (checked at import): field names are unique across sections, so ``ResolvedConfig.sources``
+can be keyed by the bare field name; every entry names a real field; no two entries claim the same
+properties key or environment variable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from neuron_lmi.config.options import SECTIONS
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpec:
+    """One configurable field.
+
+    ``lmi`` is the serving.properties key (``option.x`` for model options, a bare name for LMI's
+    non-option keys); ``env`` the environment variables read for it, in priority order (the generic
+    ``OPTION_X``/``SERVING_X`` spelling is derived from ``lmi`` and always comes first); ``secret``
+    marks values that are masked when printed and never written to a properties file.
+    """
+
+    section: str
+    field: str
+    lmi: str
+    env: tuple[str, ...] = ()
+    secret: bool = False
+
+    @property
+    def path(self) -> str:
+        return f"{self.section}.{self.field}"
+
+    @property
+    def generic_env(self) -> str:
+        """``option.n_positions`` → ``OPTION_N_POSITIONS``; ``engine`` → ``SERVING_ENGINE``."""
+        if self.lmi.startswith("option."):
+            return "OPTION_" + self.lmi.removeprefix("option.").upper()
+        return "SERVING_" + self.lmi.upper()
+
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        return (self.generic_env, *self.env)
+
+
+def _opt(section: str, field: str, *env: str, name: str | None = None) -> KeySpec:
+    return KeySpec(section, field, f"option.{name or field}", tuple(env))
+
+
+def _srv(section: str, field: str, *env: str, name: str | None = None, secret: bool = False) -> KeySpec:
+    return KeySpec(section, field, name or field, tuple(env), secret)
+
+
+KEYS: tuple[KeySpec, ...] = (
+    # model
+    _opt("model", "model_id", "HF_MODEL_ID"),
+    _opt("model", "revision", "HF_REVISION"),
+    _opt("model", "dtype"),
+    _opt("model", "trust_remote_code", "HF_MODEL_TRUST_REMOTE_CODE"),
+    _opt("model", "model_loading_timeout"),
+    # batching
+    _opt("batching", "rolling_batch"),
+    _opt("batching", "max_rolling_batch_size", "MAX_BATCH_SIZE"),
+    _opt("batching", "batch_size"),
+    _opt("batching", "n_positions"),
+    _opt("batching", "context_length_estimate"),
+    _srv("batching", "max_queue_size", name="job_queue_size"),
+    _opt("batching", "max_prefill_tokens"),
+    # parallel: SM_NUM_GPUS is how SageMaker GPU images pass the device count
+    _opt("parallel", "tensor_parallel_degree", "TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS"),
+    _opt("parallel", "group_query_attention"),
+    # neuron
+    _opt("neuron", "compiled_graph_path"),
+    _opt("neuron", "save_mp_checkpoint_path"),
+    _opt("neuron", "neuron_optimize_level"),
+    _opt("neuron", "enable_saturate_infinity"),
+    _opt("neuron", "enable_mixed_precision_accumulation"),
+    _opt("neuron", "quantize"),
+    _opt("neuron", "fuse_qkv"),
+    # backend
+    _opt("backend", "backend"),
+    _srv("backend", "engine"),
+    # server: LMI's non-option keys, SERVING_* in the environment
+    _srv("server", "host"),
+    _srv("server", "port"),
+    _srv("server", "api_key", "NEURON_LMI_API_KEY", secret=True),
+    _srv("server", "max_body_bytes"),
+    _srv("server", "fail_fast"),
+    _srv("server", "grace_period_s"),
+    _srv("server", "sagemaker"),
+)
+
+BY_FIELD: dict[str, KeySpec] = {spec.field: spec for spec in KEYS}
+BY_LMI: dict[str, KeySpec] = {spec.lmi.lower(): spec for spec in KEYS}
+
+# Environment variables that SM_NUM_GPUS-style aliases may carry as "not set": SageMaker CPU and
+# Neuron hosts can export SM_NUM_GPUS=0, which must not become tensor_parallel_degree=0.
+ZERO_MEANS_UNSET = frozenset({"SM_NUM_GPUS"})
+
+
+def _check_table() -> None:
+    """Fail at import, not at serve time, if the table and the models drift apart."""
+    if len(BY_FIELD) != len(KEYS) or len(BY_LMI) != len(KEYS):
+        raise RuntimeError("config KEYS: duplicate field or properties key")
+    env_names = [name for spec in KEYS for name in spec.env_names]
+    if len(env_names) != len(set(env_names)):
+        raise RuntimeError("config KEYS: one environment variable claimed by two fields")
+    for spec in KEYS:
+        if spec.field not in SECTIONS[spec.section].model_fields:
+            raise RuntimeError(f"config KEYS: {spec.path} is not a field")
+    declared = {name for model in SECTIONS.values() for name in model.model_fields}
+    if declared != set(BY_FIELD):
+        raise RuntimeError(f"config KEYS: fields without an LMI name: {sorted(declared - set(BY_FIELD))}")
+
+
+_check_table()
+
+
+def lookup(name: str) -> KeySpec | None:
+    """The entry for a properties key or CLI name: ``option.n_positions``, ``n_positions``,
+    ``n-positions``, ``job_queue_size`` and ``max_queue_size`` all resolve; None when unknown."""
+    key = name.strip().lower().replace("-", "_")
+    if key in BY_LMI:
+        return BY_LMI[key]
+    short = key.removeprefix("option.")
+    return BY_FIELD.get(short) or BY_LMI.get(f"option.{short}")
+
+
+def env_lookup(env: Mapping[str, str]) -> tuple[dict[str, tuple[str, str]], list[str]]:
+    """Read the environment through the table.
+
+    Returns ``({field: (variable, value)}, ignored)`` where ``ignored`` lists the ``OPTION_*`` and
+    ``SERVING_*`` variables no entry claims. For each field the first set variable in
+    ``spec.env_names`` wins. Empty values count as unset.
+    """
+    found: dict[str, tuple[str, str]] = {}
+    for spec in KEYS:
+        for var in spec.env_names:
+            value = env.get(var)
+            if value is None or not value.strip():
+                continue
+            if var in ZERO_MEANS_UNSET and value.strip() == "0":
+                continue
+            found[spec.field] = (var, value)
+            break
+    claimed = {var for spec in KEYS for var in spec.env_names}
+    ignored = sorted(var for var in env if var.startswith(("OPTION_", "SERVING_")) and var not in claimed)
+    return found, ignored

@@ -1,0 +1,339 @@
+"""Build one :class:`ServingConfig` from CLI flags, ``serving.properties``, the environment and defaults.
+
+Precedence, per field: **CLI > serving.properties > environment > default**. (LMI itself lets
+serving.properties win over ``OPTION_*`` variables too; the one difference is that neuron-lmi's CLI
+flags sit above both, so ``neuron-lmi serve --tensor-parallel-degree 2`` always means 2.) Only the
+winning value of a field is validated: a bad environment value shadowed by a good CLI flag is not an
+error. Every ``option.*``/non-option properties key and every ``OPTION_*``/``SERVING_*`` variable
+that the key table does not claim is listed in ``ResolvedConfig.ignored`` and logged once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from pydantic import SecretStr, ValidationError
+
+from neuron_lmi.config.keys import BY_LMI, KEYS, env_lookup, lookup
+from neuron_lmi.config.options import ConfigError, ServingConfig, default_n_positions
+from neuron_lmi.config.sources import (
+    PROPERTIES_NAME,
+    format_properties,
+    holds_weights,
+    properties_label,
+    read_properties,
+    sagemaker_model_dir,
+    write_text_atomic,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT = "default"
+CLI = "cli"
+MASK = "********"
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a raw value came from: the name as written, the raw value, and the source label."""
+
+    key: str
+    value: Any
+    source: str
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A validated config plus provenance.
+
+    Invariants: ``sources`` has one entry per config field (bare field name → ``"cli"``,
+    ``"serving.properties:<path>"``, ``"env:<VAR>"``, ``"model_dir:<dir>"`` or a label starting with
+    ``"default"``); ``ignored`` maps each unsupported key, as written, to where it was found;
+    ``properties_path`` is the file that was read, if any; ``keys`` maps each field that did not come
+    from a default to its name as written there (``OPTION_N_POSITIONS``, ``--n-positions``...).
+    """
+
+    config: ServingConfig
+    sources: Mapping[str, str]
+    ignored: Mapping[str, str] = field(default_factory=dict)
+    properties_path: Path | None = None
+    keys: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def ignored_keys(self) -> tuple[str, ...]:
+        return tuple(sorted(self.ignored))
+
+    def source_of(self, field_name: str) -> str:
+        return self.sources[field_name]
+
+
+def cli_overrides(args: Mapping[str, Any] | Any) -> dict[str, Any]:
+    """Pick the config fields out of an argparse Namespace (or dict): known names, values not None."""
+    items = vars(args) if not isinstance(args, Mapping) else args
+    return {name: value for name, value in items.items() if value is not None and lookup(name)}
+
+
+def _collect_cli(cli: Mapping[str, Any], origins: dict[str, Origin]) -> None:
+    for name, value in cli.items():
+        if value is None:
+            continue
+        spec = lookup(name)
+        if spec is None:
+            raise ConfigError(name, value, CLI, "not a neuron-lmi configuration option")
+        origins[spec.field] = Origin("--" + name.removeprefix("option.").replace("_", "-"), value, CLI)
+
+
+def _collect_properties(
+    values: Mapping[str, str], label: str, origins: dict[str, Origin], ignored: dict[str, str]
+) -> None:
+    for key, value in values.items():
+        spec = BY_LMI.get(key.lower())
+        if spec is None:
+            ignored[key] = label
+        elif spec.field not in origins:
+            origins[spec.field] = Origin(key, value, label)
+
+
+def _collect_env(env: Mapping[str, str], origins: dict[str, Origin], ignored: dict[str, str]) -> None:
+    found, unclaimed = env_lookup(env)
+    for field_name, (var, value) in found.items():
+        origins.setdefault(field_name, Origin(var, value, f"env:{var}"))
+    for var in unclaimed:
+        ignored[var] = f"env:{var}"
+
+
+def _validate(origins: Mapping[str, Origin]) -> ServingConfig:
+    """Validate the winning raw values; map pydantic's first error back to its key and source."""
+    nested: dict[str, dict[str, Any]] = {}
+    for spec in KEYS:
+        if spec.field in origins:
+            nested.setdefault(spec.section, {})[spec.field] = origins[spec.field].value
+    try:
+        return ServingConfig.model_validate(nested)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        first = errors[0]
+        field_name = str(first["loc"][1]) if len(first["loc"]) > 1 else ""
+        origin = origins.get(field_name, Origin(field_name, first.get("input"), "?"))
+        reason = str(first["msg"]).removeprefix("Value error, ")
+        where = {".".join(map(str, e["loc"][:2])) for e in errors}
+        others = sorted(where - {".".join(map(str, first["loc"][:2]))})
+        if others:
+            reason += f" (also invalid: {', '.join(others)})"
+        value = origin.value.get_secret_value() if isinstance(origin.value, SecretStr) else origin.value
+        if field_name == "api_key":
+            value = MASK
+        raise ConfigError(origin.key, value, origin.source, reason) from None
+
+
+def _check_combinations(config: ServingConfig, origins: Mapping[str, Origin]) -> None:
+    """Rules that span fields, reported against the field the user is most likely to change."""
+    batching = config.batching
+
+    def fail(field_name: str, value: Any, reason: str) -> None:
+        origin = origins.get(field_name, Origin(BY_FIELD_LMI[field_name], value, DEFAULT))
+        raise ConfigError(origin.key, origin.value, origin.source, reason)
+
+    estimate = batching.context_length_estimate
+    if batching.n_positions is not None and estimate and estimate[-1] > batching.n_positions:
+        limit = batching.n_positions
+        fail("context_length_estimate", estimate, f"largest estimate exceeds n_positions={limit}")
+    if batching.rolling and batching.batch_size not in (None, batching.max_rolling_batch_size):
+        fail(
+            "batch_size",
+            batching.batch_size,
+            f"with rolling batch the compiled batch is max_rolling_batch_size="
+            f"{batching.max_rolling_batch_size}; leave batch_size unset or make them equal",
+        )
+
+
+BY_FIELD_LMI = {spec.field: spec.lmi for spec in KEYS}
+
+
+def _source(origins: Mapping[str, Origin], field_name: str) -> str:
+    return origins[field_name].source if field_name in origins else DEFAULT
+
+
+def _model_dir_candidates(properties_path: Path | None, env: Mapping[str, str]) -> list[Path]:
+    candidates = [properties_path.parent] if properties_path is not None else []
+    sm_dir = sagemaker_model_dir(env)
+    if sm_dir not in candidates:
+        candidates.append(sm_dir)
+    return candidates
+
+
+def _local_max_positions(model_id: str | None) -> int | None:
+    """``max_position_embeddings`` from a local Hugging Face directory, without importing transformers."""
+    if not model_id:
+        return None
+    config_json = Path(model_id) / "config.json"
+    try:
+        data = json.loads(config_json.read_text(encoding="utf-8")) if config_json.is_file() else {}
+    except (OSError, ValueError):
+        return None
+    value = data.get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def load_config(
+    cli: Mapping[str, Any] | None = None,
+    properties_path: Path | str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ResolvedConfig:
+    """Resolve the serving configuration.
+
+    ``cli`` maps field names or LMI keys to values (None values are skipped); ``properties_path`` an
+    explicit serving.properties (else ``$SM_MODEL_DIR``/``/opt/ml/model``'s one is read when present);
+    ``env`` defaults to ``os.environ``. When no source names a model and the properties directory or
+    the SageMaker model directory holds weights (``config.json`` or ``*.gguf``), that directory is the
+    model. ``n_positions`` is filled from a local model's ``max_position_embeddings`` when it can be
+    read now; otherwise call :func:`apply_model_defaults` once the model is fetched.
+
+    Raises ConfigError (a ValueError) naming key, value and source for any bad value.
+    """
+    env = os.environ if env is None else env
+    origins: dict[str, Origin] = {}
+    ignored: dict[str, str] = {}
+    _collect_cli(cli or {}, origins)
+
+    path = Path(properties_path) if properties_path is not None else None
+    if path is not None and path.is_dir():
+        path = path / PROPERTIES_NAME
+    if path is None:
+        default_path = sagemaker_model_dir(env) / PROPERTIES_NAME
+        path = default_path if default_path.is_file() else None
+    if path is not None:
+        _collect_properties(read_properties(path), properties_label(path), origins, ignored)
+    _collect_env(env, origins, ignored)
+
+    if "model_id" not in origins:
+        for folder in _model_dir_candidates(path, env):
+            if holds_weights(folder):
+                origins["model_id"] = Origin(str(folder), str(folder), f"model_dir:{folder}")
+                break
+
+    config = _validate(origins)
+    _check_combinations(config, origins)
+    resolved = ResolvedConfig(
+        config=config,
+        sources={spec.field: _source(origins, spec.field) for spec in KEYS},
+        ignored=dict(sorted(ignored.items())),
+        properties_path=path,
+        keys={name: origin.key for name, origin in origins.items()},
+    )
+    if ignored:
+        listed = ", ".join(f"{name} ({where})" for name, where in resolved.ignored.items())
+        logger.warning("ignoring configuration keys neuron-lmi does not support: %s", listed)
+    max_positions = _local_max_positions(config.model.model_id)
+    if max_positions is not None:
+        resolved = apply_model_defaults(resolved, max_positions)
+    return resolved
+
+
+def apply_model_defaults(resolved: ResolvedConfig, max_position_embeddings: int | None) -> ResolvedConfig:
+    """Fill ``n_positions`` with LMI's smart default when no source set it; a no-op otherwise.
+
+    ``min(max_position_embeddings, 4096)``, or 2048 when the model's limit is unknown (None). The
+    source becomes ``"default:min(max_position_embeddings=N, 4096)"`` (or ``"default:2048"``).
+    """
+    if resolved.config.batching.n_positions is not None:
+        return resolved
+    value = default_n_positions(max_position_embeddings)
+    label = (
+        f"{DEFAULT}:min(max_position_embeddings={max_position_embeddings}, 4096)"
+        if max_position_embeddings
+        else f"{DEFAULT}:{value}"
+    )
+    batching = resolved.config.batching.model_copy(update={"n_positions": value})
+    config = resolved.config.model_copy(update={"batching": batching})
+    estimate = batching.context_length_estimate
+    if estimate and estimate[-1] > value:
+        raise ConfigError(
+            resolved.keys.get("context_length_estimate", BY_FIELD_LMI["context_length_estimate"]),
+            ",".join(map(str, estimate)),
+            resolved.sources["context_length_estimate"],
+            f"largest estimate exceeds the default n_positions={value} ({label}); set option.n_positions",
+        )
+    return replace(resolved, config=config, sources={**resolved.sources, "n_positions": label})
+
+
+def _display(value: Any) -> str:
+    if isinstance(value, SecretStr):
+        return MASK
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def format_config(resolved: ResolvedConfig) -> str:
+    """Human-readable ``--print-config`` text: every field, its value and its source; secrets masked."""
+    rows = []
+    for spec in KEYS:
+        value = getattr(getattr(resolved.config, spec.section), spec.field)
+        shown = MASK if spec.secret and value is not None else ("-" if value is None else _display(value))
+        rows.append((f"{spec.path} ({spec.lmi})", shown, resolved.sources[spec.field]))
+    width = max(len(r[0]) for r in rows)
+    value_width = min(max(len(r[1]) for r in rows), 48)
+    lines = [f"{name:<{width}}  {shown:<{value_width}}  <- {source}" for name, shown, source in rows]
+    if resolved.properties_path is not None:
+        lines.insert(0, f"# read {resolved.properties_path}")
+    for name, where in resolved.ignored.items():
+        lines.append(f"ignored: {name} (from {where}): not supported by neuron-lmi")
+    return "\n".join(lines) + "\n"
+
+
+def _explicit_values(source: ServingConfig | ResolvedConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """``{field: typed value}`` for what should be written: set fields only, never secrets."""
+    if isinstance(source, ResolvedConfig):
+        config = source.config
+        wanted = {f for f, label in source.sources.items() if label != DEFAULT}
+    elif isinstance(source, ServingConfig):
+        config = source
+        wanted = {f for name in type(config).model_fields for f in getattr(config, name).model_fields_set}
+    else:
+        origins: dict[str, Origin] = {}
+        for key, value in source.items():
+            spec = lookup(key)
+            if spec is None:
+                raise ConfigError(key, value, "write_properties", "not a neuron-lmi configuration key")
+            if value is not None:
+                origins[spec.field] = Origin(key, value, "write_properties")
+        config = _validate(origins)
+        _check_combinations(config, origins)
+        wanted = set(origins)
+    out: dict[str, Any] = {}
+    for spec in KEYS:
+        value = getattr(getattr(config, spec.section), spec.field)
+        if spec.field in wanted and value is not None:
+            if spec.secret:
+                logger.warning("not writing %s to serving.properties; pass it at run time", spec.lmi)
+                continue
+            out[spec.field] = value
+    return out
+
+
+def write_properties(
+    source: ServingConfig | ResolvedConfig | Mapping[str, Any], path: Path | str, header: str | None = None
+) -> dict[str, str]:
+    """Write an LMI ``serving.properties`` (atomically) and return the ``{key: value}`` written.
+
+    From a ResolvedConfig, every field whose source is not the plain ``"default"`` (so a smart-default
+    ``n_positions`` is pinned); from a ServingConfig, the fields that were set; ``engine`` always; from a
+    mapping (field names or LMI keys), every non-None entry, validated exactly as ``load_config``
+    would. Secrets (``api_key``) are never written. Raises ConfigError for unknown keys or bad values.
+    """
+    values = _explicit_values(source)
+    rendered = {BY_FIELD_LMI[name]: _display(value) for name, value in values.items()}
+    rendered.setdefault("engine", "Python")
+    write_text_atomic(Path(path), format_properties(rendered, header or "written by neuron-lmi"))
+    return rendered

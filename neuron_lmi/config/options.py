@@ -1,0 +1,272 @@
+"""The validated configuration, one pydantic model per concern, all held by :class:`ServingConfig`.
+
+Every model forbids unknown fields and is frozen: a config is built once by
+:func:`neuron_lmi.config.load_config` and then only read. Values arrive as strings from
+``serving.properties`` and the environment; the ``before`` validators here turn LMI's spellings
+(``true``/``false``, ``"128,256"``, ``float16``) into typed values, and pydantic's constraints reject
+what is out of range. The loader maps pydantic's errors back to the LMI key, value and source.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+RollingBatch = Literal["auto", "tnx", "vllm", "cpu", "disable"]
+GroupQueryAttention = Literal["shard-over-heads", "shard-over-batch", "replicated-heads", "all-gather-heads"]
+Backend = Literal["auto", "cpu", "neuron", "vllm"]
+Engine = Literal["Python", "MPI"]
+Quantize = Literal["static_int8"]
+
+# LMI accepts torch-style names too; they all map onto the three amp names transformers-neuronx uses.
+DTYPE_ALIASES = {
+    "fp32": "fp32",
+    "float32": "fp32",
+    "f32": "fp32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "f16": "fp16",
+}
+
+# Fallback when the model's max_position_embeddings is unknown; LMI's smart default caps at 4096.
+N_POSITIONS_FALLBACK = 2048
+N_POSITIONS_CAP = 4096
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used: names the key, the value and where it came from.
+
+    ``key`` is the name as the user wrote it (``option.tensor_parallel_degree``,
+    ``OPTION_TENSOR_PARALLEL_DEGREE``, ``--tensor-parallel-degree``...), ``source`` one of the labels
+    used in ``ResolvedConfig.sources``.
+    """
+
+    def __init__(self, key: str, value: object, source: str, reason: str) -> None:
+        self.key = key
+        self.value = value
+        self.source = source
+        self.reason = reason
+        super().__init__(f"{key}={value!r} (from {source}): {reason}")
+
+
+def default_n_positions(max_position_embeddings: int | None) -> int:
+    """LMI's smart default: ``min(max_position_embeddings, 4096)``, or 2048 when the model is unknown."""
+    if max_position_embeddings is None or max_position_embeddings <= 0:
+        return N_POSITIONS_FALLBACK
+    return min(int(max_position_embeddings), N_POSITIONS_CAP)
+
+
+def _parse_bool(value: Any) -> Any:
+    """``true/false/1/0/yes/no/on/off`` in any case; anything else is left for pydantic to reject."""
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+    return value
+
+
+def _strip(value: Any) -> Any:
+    return value.strip() if isinstance(value, str) else value
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _lax_strings(cls, value: Any, info: Any) -> Any:
+        """Strip whitespace, and read LMI's boolean spellings for boolean fields."""
+        value = _strip(value)
+        field = cls.model_fields[info.field_name]
+        if field.annotation is bool:
+            return _parse_bool(value)
+        return value
+
+
+class ModelOptions(_Section):
+    """Which checkpoint to serve and how to load it.
+
+    ``model_id`` is a built-in name, a local directory or ``.gguf`` file, an ``s3://`` URI or a Hub id;
+    None only until the SageMaker model directory fills it in.
+    """
+
+    model_id: str | None = None
+    revision: str | None = None
+    dtype: Dtype = "fp16"
+    trust_remote_code: bool = False
+    model_loading_timeout: float = Field(default=1800.0, gt=0, le=7 * 24 * 3600)
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return DTYPE_ALIASES.get(value.strip().lower(), value)
+        return value
+
+    @field_validator("model_id", "revision")
+    @classmethod
+    def _not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value:
+            raise ValueError("must not be empty")
+        return value
+
+
+class BatchingOptions(_Section):
+    """Rolling (continuous) batching and the static shapes the model is compiled for.
+
+    Invariants: every context-length estimate is positive, strictly increasing, and at most
+    ``n_positions`` when that is set. ``batch_size`` None means "the rolling batch size" when rolling
+    batch is on and 1 otherwise (see :attr:`effective_batch_size`).
+    """
+
+    rolling_batch: RollingBatch = "auto"
+    max_rolling_batch_size: int = Field(default=32, ge=1, le=4096)
+    batch_size: int | None = Field(default=None, ge=1, le=4096)
+    n_positions: int | None = Field(default=None, ge=1, le=1 << 20)
+    context_length_estimate: tuple[int, ...] | None = None
+    max_queue_size: int = Field(default=1000, ge=1)
+    max_prefill_tokens: int | None = Field(default=None, ge=1)
+
+    @field_validator("rolling_batch", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("context_length_estimate", mode="before")
+    @classmethod
+    def _comma_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            parts = [p.strip() for p in value.strip().strip("[]").split(",")]
+            return [p for p in parts if p]
+        return value
+
+    @field_validator("context_length_estimate")
+    @classmethod
+    def _increasing(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("needs at least one length")
+        if any(v <= 0 for v in value):
+            raise ValueError("lengths must be positive")
+        if list(value) != sorted(set(value)):
+            raise ValueError("lengths must be strictly increasing")
+        return value
+
+    @property
+    def rolling(self) -> bool:
+        """Whether requests join and leave a running batch."""
+        return self.rolling_batch != "disable"
+
+    @property
+    def effective_batch_size(self) -> int:
+        """The compiled batch: the rolling batch size unless batch_size says otherwise."""
+        if self.batch_size is not None:
+            return self.batch_size
+        return self.max_rolling_batch_size if self.rolling else 1
+
+
+class ParallelOptions(_Section):
+    """Tensor parallelism: ``tensor_parallel_degree`` is a positive int or ``"max"`` (all visible cores).
+
+    ``group_query_attention`` None leaves the choice to the backend (shard-over-heads on Neuron).
+    """
+
+    tensor_parallel_degree: int | Literal["max"] = 1
+    group_query_attention: GroupQueryAttention | None = None
+
+    @field_validator("tensor_parallel_degree", mode="before")
+    @classmethod
+    def _int_or_max(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip().lower()
+            if text == "max":
+                return "max"
+            if text.lstrip("+-").isdigit():
+                return int(text)
+            raise ValueError("must be a positive integer or 'max'")
+        return value
+
+    @field_validator("tensor_parallel_degree")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 1 <= value <= 1024:
+            raise ValueError("must be between 1 and 1024, or 'max'")
+        return value
+
+    @field_validator("group_query_attention", mode="before")
+    @classmethod
+    def _gqa_spelling(cls, value: Any) -> Any:
+        return value.strip().lower().replace("_", "-") if isinstance(value, str) else value
+
+
+class NeuronOptions(_Section):
+    """transformers-neuronx compile settings; ignored by the CPU and vLLM backends."""
+
+    compiled_graph_path: str | None = None
+    save_mp_checkpoint_path: str | None = None
+    neuron_optimize_level: int | None = Field(default=None, ge=1, le=3)
+    enable_saturate_infinity: bool = False
+    enable_mixed_precision_accumulation: bool = False
+    quantize: Quantize | None = None
+    fuse_qkv: bool = False
+
+
+class BackendOptions(_Section):
+    """Which engine runs the model. ``engine`` is LMI's ``engine=`` line (``Python`` or ``MPI``)."""
+
+    backend: Backend = "auto"
+    engine: Engine = "Python"
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_case(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return {"python": "Python", "mpi": "MPI"}.get(value.strip().lower(), value)
+        return value
+
+
+class ServerOptions(_Section):
+    """The HTTP front end. ``api_key`` is a SecretStr: it never appears in reprs, logs or print-config."""
+
+    host: str = "0.0.0.0"
+    port: int = Field(default=8080, ge=0, le=65535)
+    api_key: SecretStr | None = None
+    max_body_bytes: int = Field(default=6 * 1024 * 1024, ge=1024)
+    fail_fast: bool = False
+    grace_period_s: float = Field(default=30.0, ge=0, le=3600)
+    sagemaker: bool = False
+
+
+class ServingConfig(BaseModel):
+    """Everything ``neuron-lmi serve`` needs, split by concern. Frozen; build it with ``load_config``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: ModelOptions = ModelOptions()
+    batching: BatchingOptions = BatchingOptions()
+    parallel: ParallelOptions = ParallelOptions()
+    neuron: NeuronOptions = NeuronOptions()
+    backend: BackendOptions = BackendOptions()
+    server: ServerOptions = ServerOptions()
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "model": ModelOptions,
+    "batching": BatchingOptions,
+    "parallel": ParallelOptions,
+    "neuron": NeuronOptions,
+    "backend": BackendOptions,
+    "server": ServerOptions,
+}

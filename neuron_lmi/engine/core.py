@@ -1,0 +1,256 @@
+"""The synchronous rolling-batch engine: scheduler decisions applied to a runner, one step at a time.
+
+Single-threaded by design: only the engine thread (or ``LLM.generate``) calls ``step``; requests
+and aborts from other threads go through ``AsyncEngine``'s queues.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from neuron_lmi.engine.detokenizer import IncrementalDetokenizer
+from neuron_lmi.engine.request import EventSink, Request, Status
+from neuron_lmi.engine.sampling import sample
+from neuron_lmi.engine.scheduler import JoinPolicy, Scheduler
+from neuron_lmi.engine.stops import StopMatcher
+from neuron_lmi.engine.types import (
+    EngineStats,
+    FinishReason,
+    InvalidRequestError,
+    SamplingParams,
+    TokenEvent,
+    TopToken,
+)
+from neuron_lmi.runners.base import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns requests, the scheduler and the runner.
+
+    Invariants: a RUNNING request holds exactly one KV row and a finished one holds none; every
+    request ends with exactly one event whose ``finish_reason`` is set.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Any,
+        eos_token_ids: Sequence[int],
+        max_prefill_tokens: int = 4096,
+        policy: JoinPolicy | None = None,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", []) or [])
+        self.scheduler = Scheduler(max_prefill_tokens, policy)
+        self.requests: dict[str, Request] = {}
+        self.steps = 0
+
+    # -- requests -----------------------------------------------------------------------------
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("inputs must not be empty", "inputs")
+            return list(self.tokenizer.encode(prompt))
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequestError("inputs must not be empty", "inputs")
+        bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary", "inputs")
+        return ids
+
+    def make_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        sink: EventSink | None = None,
+    ) -> Request:
+        """Validate and build a request; raises ``InvalidRequestError`` naming the field."""
+        n_positions = self.runner.n_positions
+        params.validate(max_new_tokens_limit=n_positions - 1)
+        ids = self.tokenize(prompt)
+        if len(ids) + params.max_new_tokens > n_positions:
+            raise InvalidRequestError(
+                f"prompt of {len(ids)} tokens plus max_new_tokens={params.max_new_tokens} exceeds "
+                f"n_positions={n_positions}",
+                "inputs",
+            )
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else random.getrandbits(63)
+            generator = torch.Generator().manual_seed(seed)
+        return Request(
+            request_id=request_id,
+            prompt_ids=ids,
+            params=params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
+            stops=StopMatcher(params.stop),
+            generator=generator,
+            sink=sink,
+        )
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, FinishReason.ABORT, emit=True)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step -----------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        decision = self.scheduler.schedule(self.runner.rows.occupancy().rows_free)
+        events: list[TokenEvent] = []
+        if decision.prefill:
+            for request in decision.prefill:
+                request.row = self.runner.rows.allocate()
+            events += self._forward(decision.prefill, lambda rs: self._prefill(rs, full=False))
+        if decision.recompute:
+            events += self._forward(decision.recompute, lambda rs: self._prefill(rs, full=True))
+        if decision.decode:
+            events += self._forward(
+                decision.decode,
+                lambda rs: self.runner.decode([r.row for r in rs], [r.last_token for r in rs]),
+            )
+        self.steps += 1
+        return events
+
+    def _prefill(self, requests: list[Request], full: bool) -> torch.Tensor:
+        prompts = [r.all_ids if full else r.prompt_ids for r in requests]
+        return self.runner.prefill([r.row for r in requests], prompts)
+
+    def _forward(self, requests: list[Request], run: Any) -> list[TokenEvent]:
+        try:
+            logits = run(requests)
+            out = sample(
+                logits,
+                [r.params for r in requests],
+                [r.all_ids for r in requests],
+                [r.generator for r in requests],
+            )
+        except Exception as exc:  # one failed batch must not take the engine down
+            log.exception("model step failed for %d request(s)", len(requests))
+            return [self._fail(r, exc) for r in requests]
+        events = []
+        for i, request in enumerate(requests):
+            top = tuple(
+                TopToken(t, self._token_text(t), lp)
+                for t, lp in zip(out.top_ids[i], out.top_logprobs[i], strict=True)
+            )
+            events.append(self._accept(request, out.tokens[i], out.logprobs[i], top))
+        return events
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _accept(self, request: Request, token: int, logprob: float, top: tuple[TopToken, ...]) -> TokenEvent:
+        request.output_ids.append(token)
+        request.logprobs.append(logprob)
+        params = request.params
+        finish: FinishReason | None = None
+        if token in self.eos_token_ids and not params.ignore_eos:
+            finish, text = FinishReason.EOS_TOKEN, ""
+        else:
+            text, hit = request.stops.add(request.detokenizer.add(token))
+            finish = FinishReason.STOP_SEQUENCE if hit else None
+        if finish is None and len(request.output_ids) >= params.max_new_tokens:
+            finish = FinishReason.LENGTH
+        if finish in (FinishReason.EOS_TOKEN, FinishReason.LENGTH):
+            tail, hit = request.stops.add(request.detokenizer.flush())
+            text += tail if hit else tail + request.stops.flush()
+            finish = FinishReason.STOP_SEQUENCE if hit else finish
+        event = TokenEvent(
+            request_id=request.request_id,
+            index=len(request.output_ids) - 1,
+            token_id=token,
+            token_text=self._token_text(token),
+            text=text,
+            logprob=logprob,
+            special=token in self.special_ids,
+            prompt_tokens=len(request.prompt_ids),
+            top_tokens=top,
+            finish_reason=finish,
+        )
+        if finish is not None:
+            self._finish(request, finish, emit=False)
+        self._emit(request, event)
+        return event
+
+    def _fail(self, request: Request, exc: Exception) -> TokenEvent:
+        event = TokenEvent(
+            request_id=request.request_id,
+            index=len(request.output_ids),
+            token_id=-1,
+            token_text="",
+            text="",
+            logprob=0.0,
+            special=False,
+            prompt_tokens=len(request.prompt_ids),
+            finish_reason=FinishReason.ERROR,
+            error=f"{type(exc).__name__}: {exc}",
+        )
+        self._finish(request, FinishReason.ERROR, emit=False)
+        self._emit(request, event)
+        return event
+
+    def _finish(self, request: Request, reason: FinishReason, emit: bool) -> None:
+        if request.status is Status.FINISHED:
+            return
+        if request.row is not None:
+            self.runner.rows.remove(request.row)
+            request.row = None
+        self.scheduler.remove(request)
+        self.requests.pop(request.request_id, None)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        if emit:
+            self._emit(
+                request,
+                TokenEvent(
+                    request_id=request.request_id,
+                    index=len(request.output_ids),
+                    token_id=-1,
+                    token_text="",
+                    text="",
+                    logprob=0.0,
+                    special=False,
+                    prompt_tokens=len(request.prompt_ids),
+                    finish_reason=reason,
+                ),
+            )
+
+    @staticmethod
+    def _emit(request: Request, event: TokenEvent) -> None:
+        if request.sink is not None:
+            request.sink(event)
+
+    def stats(self, alive: bool = True) -> EngineStats:
+        occupancy = self.runner.rows.occupancy()
+        return EngineStats(
+            rows_total=occupancy.rows_total,
+            rows_used=occupancy.rows_used,
+            positions_used=occupancy.positions_used,
+            waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            alive=alive,
+        )

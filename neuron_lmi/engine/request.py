@@ -1,0 +1,60 @@
+"""One request's whole state, owned by the engine thread."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from neuron_lmi.engine.detokenizer import IncrementalDetokenizer
+from neuron_lmi.engine.stops import StopMatcher
+from neuron_lmi.engine.types import FinishReason, SamplingParams, TokenEvent
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+EventSink = Callable[[TokenEvent], None]
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Prompt, output so far, KV row and status of one sequence.
+
+    Invariants: ``row`` is set exactly while ``status`` is RUNNING; ``output_ids`` and
+    ``logprobs`` grow together; once FINISHED, ``finish_reason`` is set and nothing changes.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    stops: StopMatcher
+    generator: torch.Generator | None
+    sink: EventSink | None = None
+    status: Status = Status.WAITING
+    row: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    arrival_s: float = field(default_factory=time.monotonic)
+    first_token_s: float | None = None
+    finished_s: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def text(self) -> str:
+        return self.stops.emitted_text

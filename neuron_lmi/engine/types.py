@@ -1,0 +1,156 @@
+"""The data that crosses the engine boundary: sampling parameters in, token events out.
+
+Everything here is plain and frozen so that the server, the CPU engine, the Neuron runner and the
+vLLM adapter can share it without sharing any behaviour.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sequence stopped, with LMI's names (TGI and OpenAI names are derived at the edge)."""
+
+    LENGTH = "length"
+    EOS_TOKEN = "eos_token"
+    STOP_SEQUENCE = "stop_sequence"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses before it runs. ``field`` names the offending parameter."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class EngineOverloadedError(RuntimeError):
+    """The rolling batch and its bounded queue are full; the caller should retry later."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served until the process restarts."""
+
+
+MAX_STOP_SEQUENCES = 16
+MAX_TOP_N_TOKENS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    ``temperature == 0`` means greedy decoding (argmax); top_k/top_p then have no effect.
+    ``top_k == 0`` and ``top_p == 1`` disable those filters. ``seed`` makes sampling reproducible
+    independently of what else is in the batch (each request owns its random generator).
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    top_n_tokens: int = 0
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, max_new_tokens_limit: int | None = None) -> None:
+        """Raise ``InvalidRequestError`` naming the first parameter that is out of range."""
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise InvalidRequestError(
+                f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}", "max_new_tokens"
+            )
+        if max_new_tokens_limit is not None and self.max_new_tokens > max_new_tokens_limit:
+            raise InvalidRequestError(
+                f"max_new_tokens={self.max_new_tokens} exceeds the limit of {max_new_tokens_limit}",
+                "max_new_tokens",
+            )
+        if not (0.0 <= self.temperature <= 100.0) or self.temperature != self.temperature:
+            raise InvalidRequestError(
+                f"temperature must be in [0, 100], got {self.temperature!r}", "temperature"
+            )
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be a non-negative integer, got {self.top_k!r}", "top_k")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        if not (0.0 < self.repetition_penalty <= 100.0):
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}",
+                "repetition_penalty",
+            )
+        if len(self.stop) > MAX_STOP_SEQUENCES:
+            raise InvalidRequestError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed", "stop")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise InvalidRequestError("stop sequences must be non-empty strings", "stop")
+        if not (0 <= self.top_n_tokens <= MAX_TOP_N_TOKENS):
+            raise InvalidRequestError(
+                f"top_n_tokens must be in [0, {MAX_TOP_N_TOKENS}], got {self.top_n_tokens!r}", "top_n_tokens"
+            )
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed!r}", "seed")
+
+
+@dataclass(frozen=True, slots=True)
+class TopToken:
+    """One alternative at a position: token id, its text, and its log-probability."""
+
+    id: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One generated token of one request, in order.
+
+    ``text`` is the new *printable* text this token adds (it can be empty while a multi-byte
+    character or a possible stop sequence is held back). The last event of a stream has
+    ``finish_reason`` set; its ``text`` flushes whatever was held back.
+    """
+
+    request_id: str
+    index: int
+    token_id: int
+    token_text: str
+    text: str
+    logprob: float
+    special: bool
+    prompt_tokens: int
+    top_tokens: tuple[TopToken, ...] = ()
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptToken:
+    """A prompt token for LMI/TGI's ``decoder_input_details``."""
+
+    id: int
+    text: str
+    logprob: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot for /metrics and /ping."""
+
+    rows_total: int
+    rows_used: int
+    positions_used: int
+    waiting: int
+    running: int
+    alive: bool
+    extra: dict[str, float] = field(default_factory=dict)

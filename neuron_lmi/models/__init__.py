@@ -1,0 +1,35 @@
+"""Model implementations, looked up by ``config.architectures`` in ``ARCHITECTURES``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from neuron_lmi.models.args import ModelArgs, model_args_from_config
+from neuron_lmi.models.llama import LlamaForCausalLM
+from neuron_lmi.models.weights import load_hf_weights
+
+# Mistral is Llama plus a sliding window, which ModelArgs carries.
+ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+}
+
+
+def build_model(
+    config: Any, state_dict: dict[str, torch.Tensor], n_positions: int, dtype: torch.dtype = torch.float32
+) -> LlamaForCausalLM:
+    """Instantiate the registered implementation for ``config`` and load ``state_dict`` into it."""
+    args = model_args_from_config(config)
+    model_cls = ARCHITECTURES.get(args.architecture)
+    if model_cls is None:
+        raise ValueError(
+            f"unsupported architecture {args.architecture!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    model = model_cls(args, n_positions=n_positions, dtype=dtype)
+    load_hf_weights(model, {k: v.to(dtype) for k, v in state_dict.items()})
+    return model.eval()
+
+
+__all__ = ["ARCHITECTURES", "LlamaForCausalLM", "ModelArgs", "build_model", "model_args_from_config"]

@@ -1,0 +1,189 @@
+"""Llama and Mistral decoder in plain torch, driven by an external static KV cache.
+
+The model holds weights only. Prefill returns every layer's keys and values so the runner can
+insert them into a ``cache_api`` row; decode writes one position per row into the cache tensors it
+is given (``cache_api.write_step``) and attends over the first ``attn_len`` positions. Weights are
+fused (q|k|v and gate|up) so a layer costs three matmuls and one attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cache_api import write_step
+from neuron_lmi.models.args import ModelArgs
+from neuron_lmi.models.rope import Rotary, apply_rotary
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Variance in fp32 as the reference does, so bf16 runs stay close to it.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block. Head counts are attributes so a tensor-parallel shard can hold fewer."""
+
+    def __init__(self, args: ModelArgs, n_heads: int, n_kv_heads: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, args.head_dim
+        self.eps = args.rms_norm_eps
+        qkv_out = (n_heads + 2 * n_kv_heads) * args.head_dim
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+
+        self.input_norm = param(args.hidden_size)
+        self.post_norm = param(args.hidden_size)
+        self.wqkv = param(qkv_out, args.hidden_size)
+        self.bqkv = param(qkv_out) if args.attention_bias else None
+        self.wo = param(args.hidden_size, n_heads * args.head_dim)
+        self.bo = param(args.hidden_size) if args.attention_bias else None
+        self.w_gate_up = param(2 * args.intermediate_size, args.hidden_size)
+        self.b_gate_up = param(2 * args.intermediate_size) if args.mlp_bias else None
+        self.w_down = param(args.hidden_size, args.intermediate_size)
+        self.b_down = param(args.hidden_size) if args.mlp_bias else None
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, T, hidden] -> q [B, H, T, D], k and v [B, KVH, T, D]."""
+        b, t, _ = x.shape
+        h = rms_norm(x, self.input_norm, self.eps)
+        qkv = F.linear(h, self.wqkv, self.bqkv).view(b, t, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def attn_out(self, attn: torch.Tensor) -> torch.Tensor:
+        """[B, H, T, D] -> [B, T, hidden] (partial sum under tensor parallelism)."""
+        b, _, t, _ = attn.shape
+        return F.linear(attn.transpose(1, 2).reshape(b, t, -1), self.wo, self.bo)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(x, self.post_norm, self.eps)
+        gate, up = F.linear(h, self.w_gate_up, self.b_gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w_down, self.b_down)
+
+
+def grouped_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per row against a cache slice, without expanding KV heads.
+
+    q: [B, H, 1, D]; k, v: [B, KVH, L, D]; mask: [B, 1, 1, L] bool (True = attend).
+    """
+    b, h, _, d = q.shape
+    kvh = k.shape[1]
+    qg = q.view(b, kvh, h // kvh, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(b, h, 1, d)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama/Mistral weights plus ``prefill`` and ``decode`` over an external KV cache.
+
+    Invariant: the model never owns cache state; given the same cache contents and inputs it
+    returns the same logits whatever other rows hold.
+    """
+
+    def __init__(self, args: ModelArgs, n_positions: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.args, self.dtype, self.n_positions = args, dtype, n_positions
+        self.embed = nn.Parameter(
+            torch.zeros(args.vocab_size, args.hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, args.n_heads, args.n_kv_heads, dtype) for _ in range(args.n_layers)
+        )
+        self.norm = nn.Parameter(torch.zeros(args.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head = (
+            self.embed
+            if args.tie_word_embeddings
+            else nn.Parameter(
+                torch.zeros(args.vocab_size, args.hidden_size, dtype=dtype), requires_grad=False
+            )
+        )
+        self.rotary = Rotary(args.rope, args.head_dim, args.max_position_embeddings, n_positions)
+        self.scale = args.head_dim**-0.5
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(hidden, self.norm, self.args.rms_norm_eps), self.lm_head).float()
+
+    def window_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Causal (and sliding-window) visibility, True where query at q_pos may see key at k_pos."""
+        mask = k_pos <= q_pos
+        if self.args.sliding_window is not None:
+            mask &= k_pos > q_pos - self.args.sliding_window
+        return mask
+
+    @torch.inference_mode()
+    def prefill(
+        self, tokens: torch.Tensor, lengths: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Encode right-padded prompts ``tokens`` [n, T].
+
+        Returns the last real position's logits [n, vocab] (fp32) and keys/values
+        [n_layers, n, KVH, T, D] (positions >= a prompt's length are padding).
+        """
+        n, t = tokens.shape
+        positions = torch.arange(t)
+        cos, sin = self.rotary.lookup(positions.expand(n, t), seq_lens=lengths)
+        mask = self.window_mask(positions[:, None], positions[None, :])
+        x = F.embedding(tokens, self.embed)
+        keys, values = [], []
+        for layer in self.layers:
+            q, k, v = layer.qkv(x)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            keys.append(k)
+            values.append(v)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            x = x + layer.attn_out(attn)
+            x = x + layer.mlp(x)
+        last = x[torch.arange(n), torch.tensor(lengths) - 1]
+        return self.logits(last), torch.stack(keys), torch.stack(values)
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn_len: int,
+    ) -> torch.Tensor:
+        """One token per row: writes its K/V at ``positions`` of ``rows`` and returns logits [B, vocab].
+
+        ``k_cache``/``v_cache`` are ``[n_layers, n_rows, KVH, n_positions, D]``; attention reads the
+        first ``attn_len`` positions (>= every position + 1).
+        """
+        b = tokens.shape[0]
+        cos, sin = self.rotary.lookup(positions[:, None], seq_lens=(positions + 1).tolist())
+        mask = self.window_mask(positions[:, None], torch.arange(attn_len)[None, :]).view(b, 1, 1, attn_len)
+        row_slice = _contiguous(rows)
+        x = F.embedding(tokens[:, None], self.embed)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(x)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            write_step(k_cache[i], v_cache[i], rows, positions, k[:, :, 0], v[:, :, 0])
+            if row_slice is not None:
+                k_all = k_cache[i, row_slice, :, :attn_len]
+                v_all = v_cache[i, row_slice, :, :attn_len]
+            else:
+                k_all = k_cache[i, rows, :, :attn_len]
+                v_all = v_cache[i, rows, :, :attn_len]
+            attn = grouped_decode_attention(q, k_all, v_all, mask, self.scale)
+            x = x + layer.attn_out(attn)
+            x = x + layer.mlp(x)
+        return self.logits(x[:, 0])
+
+
+def _contiguous(rows: torch.Tensor) -> slice | None:
+    """A slice when ``rows`` is an ascending run (the common case: rows are handed out lowest first)."""
+    first, n = int(rows[0]), rows.shape[0]
+    if int(rows[-1]) - first + 1 == n and bool((rows[1:] > rows[:-1]).all()):
+        return slice(first, first + n)
+    return None

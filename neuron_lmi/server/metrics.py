@@ -1,0 +1,73 @@
+"""Prometheus metrics for one app: its own ``CollectorRegistry``, never the process-global one.
+
+Request counts and latencies are recorded as requests run; engine occupancy (queue length, KV rows)
+is read from ``engine.stats()`` at scrape time, so a scrape always shows the engine's current state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from neuron_lmi.engine.protocol import Engine
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Gauges read from EngineStats: metric name -> (help, attribute).
+STAT_GAUGES: dict[str, tuple[str, str]] = {
+    "neuron_lmi_kv_rows_used": ("KV-cache rows held by running requests", "rows_used"),
+    "neuron_lmi_kv_rows_total": ("KV-cache rows the engine can hold", "rows_total"),
+    "neuron_lmi_queue_length": ("requests waiting for a KV row", "waiting"),
+    "neuron_lmi_running_requests": ("requests in the rolling batch", "running"),
+    "neuron_lmi_kv_positions_used": ("KV positions holding tokens across all rows", "positions_used"),
+}
+
+
+class EngineStatsCollector(Collector):
+    """Turns one ``engine.stats()`` snapshot into gauges at each scrape."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def describe(self) -> Iterable[Metric]:
+        for name, (doc, _) in STAT_GAUGES.items():
+            yield GaugeMetricFamily(name, doc)
+        yield GaugeMetricFamily("neuron_lmi_engine_alive", "1 while the engine loop runs")
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._engine.stats()
+        for name, (doc, attr) in STAT_GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=float(getattr(stats, attr)))
+        yield GaugeMetricFamily(
+            "neuron_lmi_engine_alive", "1 while the engine loop runs", value=float(stats.alive)
+        )
+
+
+class ServerMetrics:
+    """All metrics of one app. Thread-safe as prometheus-client's primitives are."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "neuron_lmi_requests", "HTTP requests by route and status", ["route", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "neuron_lmi_time_to_first_token_seconds",
+            "time to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "neuron_lmi_inter_token_latency_seconds", "time between tokens", buckets=ITL_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "neuron_lmi_e2e_request_latency_seconds", "request latency", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter("neuron_lmi_prompt_tokens", "prompt tokens processed", registry=r)
+        self.generated_tokens = Counter("neuron_lmi_generation_tokens", "tokens generated", registry=r)
+        self.aborted = Counter("neuron_lmi_aborted_requests", "requests aborted before finishing", registry=r)
+        r.register(EngineStatsCollector(engine))

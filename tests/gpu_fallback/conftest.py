@@ -1,0 +1,109 @@
+"""Fixtures for the real-vLLM tier: SmolLM2 as safetensors, one vLLM engine per session.
+
+Everything here skips (with the reason) where ``import vllm`` fails, as in the main environment;
+``scripts/setup_vllm_env.sh`` builds the environment where it runs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# vLLM's CPU engine computes on one core unless told to bind all of them; the KV cache is sized
+# explicitly so that it fits beside the other test processes.
+VLLM_CPU_ENV = {
+    "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
+        "VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}"
+    ),
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+def vllm_skip_reason() -> str | None:
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # any failure (missing, broken CUDA wheels) means: this tier cannot run
+        return f"vLLM does not import here ({type(exc).__name__}: {exc}); run scripts/setup_vllm_env.sh"
+    return None
+
+
+@pytest.fixture(scope="session")
+def vllm_env() -> dict[str, str]:
+    for key, value in VLLM_CPU_ENV.items():
+        os.environ.setdefault(key, value)
+    return dict(VLLM_CPU_ENV)
+
+
+@pytest.fixture(scope="session")
+def smollm2_safetensors(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct dequantized from the bundled GGUF (cached across sessions)."""
+    from gpu_fallback.convert import default_cache_dir, ensure_safetensors_dir
+    from neuron_lmi.models.builtin import smollm2_gguf_path
+
+    return ensure_safetensors_dir(smollm2_gguf_path(), default_cache_dir())
+
+
+class HFGreedyReference:
+    """Greedy generation by transformers on the same weights, shaped like an engine for ``direct_greedy``.
+
+    The server suite compares every route with ``direct_greedy(direct_engine, ...)``; on the vLLM
+    tier that reference is transformers itself, independent of both our engine and vLLM.
+    """
+
+    def __init__(self, model_dir: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self._model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self._torch = torch
+
+    async def start(self) -> None:
+        return None
+
+    async def generate(self, prompt, params, request_id=None):
+        from types import SimpleNamespace
+
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        with self._torch.no_grad():
+            out = self._model.generate(
+                self._torch.tensor([ids]),
+                max_new_tokens=params.max_new_tokens,
+                do_sample=False,
+                eos_token_id=self.tokenizer.eos_token_id,
+                pad_token_id=self.tokenizer.eos_token_id,
+            )
+        new = out[0, len(ids) :].tolist()
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        for i, token in enumerate(new):
+            yield SimpleNamespace(token_id=token, text=text if i == len(new) - 1 else "")
+
+
+@pytest.fixture(scope="session")
+def hf_reference(smollm2_safetensors: Path) -> HFGreedyReference:
+    return HFGreedyReference(smollm2_safetensors)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_env, smollm2_safetensors: Path, tmp_path_factory: pytest.TempPathFactory):
+    """``neuron-lmi serve --backend vllm`` on SmolLM2, with the server suite's 8 rows and 256 positions."""
+    import sys
+
+    import tests.server.conftest as server_conftest
+
+    server_conftest.STARTUP_TIMEOUT_S = max(server_conftest.STARTUP_TIMEOUT_S, 900.0)  # vLLM compiles first
+    tmp = tmp_path_factory.mktemp("vllm_server")
+    server = server_conftest.start_server(
+        smollm2_safetensors,
+        tmp,
+        ["--backend", "vllm", "--max-rolling-batch-size", "8", "--n-positions", "256"],
+        env=vllm_env,
+        command=[sys.executable, "-m", "gpu_fallback.serve"],
+    )
+    yield server
+    code = server.stop()
+    if code != 0:
+        print(server.log.read_text()[-3000:])

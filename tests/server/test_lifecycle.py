@@ -1,0 +1,164 @@
+"""Overload, client disconnects, SIGTERM, a dying engine loop, and how ``serve`` binds and configures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import ServerProcess, cli_command, start_server
+
+LONG = {"inputs": "Count forever:", "parameters": {"max_new_tokens": 240, "ignore_eos": True}, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One KV row and a queue of one: the third concurrent request is over capacity."""
+    tmp = tmp_path_factory.mktemp("small_server")
+    server = start_server(
+        tiny_llama_dir,
+        tmp,
+        ["--max-rolling-batch-size", "1", "--n-positions", "256"],
+        env={"SERVING_JOB_QUEUE_SIZE": "1"},
+        api_key=None,
+    )
+    yield server
+    server.stop(timeout_s=60)
+
+
+def _hold_stream(url: str, started: threading.Event, result: dict[str, object]) -> None:
+    with httpx.stream("POST", f"{url}/invocations", json=LONG, timeout=120) as r:
+        for line in r.iter_lines():
+            if line:
+                started.set()
+                obj = json.loads(line)
+                if "generated_text" in obj:
+                    result["text"] = obj["generated_text"]
+                    result["tokens"] = obj["token"]
+
+
+def test_client_disconnect_frees_row_quickly(tiny_server: ServerProcess) -> None:
+    before = tiny_server.metric("neuron_lmi_aborted_requests_total")
+    with tiny_server.client() as http, http.stream("POST", "/invocations", json=LONG) as r:
+        lines = r.iter_lines()
+        next(lines)
+        next(lines)
+    assert tiny_server.wait_rows_free(timeout_s=2.0) == 0
+    assert tiny_server.metric("neuron_lmi_aborted_requests_total") >= before + 1
+    with tiny_server.client(timeout=0.3) as http, pytest.raises(httpx.TimeoutException):
+        http.post("/invocations", json={**LONG, "stream": False})  # non-streamed: aborted too
+    assert tiny_server.wait_rows_free(timeout_s=2.0) == 0
+    assert tiny_server.metric("neuron_lmi_aborted_requests_total") >= before + 2
+
+
+def test_overload_is_503_or_429_with_retry_after(small_server: ServerProcess) -> None:
+    url = small_server.url
+    running, queued = threading.Event(), threading.Event()
+    threads = [
+        threading.Thread(target=_hold_stream, args=(url, running, {}), daemon=True),
+        threading.Thread(target=_hold_stream, args=(url, queued, {}), daemon=True),
+    ]
+    threads[0].start()
+    assert running.wait(30)
+    threads[1].start()
+    deadline = time.monotonic() + 10
+    while small_server.metric("neuron_lmi_queue_length") < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sm = httpx.post(f"{url}/invocations", json={"inputs": "x", "parameters": {"max_new_tokens": 2}})
+    oa = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert sm.status_code == 503 and int(sm.headers["Retry-After"]) >= 1, sm.text
+    assert sm.json()["error_type"] == "overloaded" and sm.json()["code"] == 503
+    assert oa.status_code == 429 and "Retry-After" in oa.headers, oa.text
+    for t in threads:
+        t.join(120)
+    assert small_server.wait_rows_free() == 0
+    assert (
+        httpx.post(f"{url}/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2}}).status_code
+        == 200
+    )
+
+
+def test_sigterm_finishes_in_flight_then_exits_zero(small_server: ServerProcess) -> None:
+    started, result = threading.Event(), {}
+    t = threading.Thread(target=_hold_stream, args=(small_server.url, started, result), daemon=True)
+    t.start()
+    assert started.wait(30)
+    code = small_server.stop(timeout_s=60)
+    t.join(30)
+    assert code == 0, small_server.log.read_text()[-2000:]
+    assert isinstance(result.get("text"), str)  # the in-flight stream ran to its end
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{small_server.url}/ping", timeout=2)
+
+
+CRASHING_SERVE = """
+import sys
+from neuron_lmi.engine import core
+original = core.EngineCore.step
+def step(self):
+    if self.requests:
+        raise RuntimeError("injected engine failure")
+    return original(self)
+core.EngineCore.step = step
+from neuron_lmi.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("fail_fast", [False, True])
+def test_dead_engine_loop_is_never_silent(tiny_llama_dir: Path, tmp_path: Path, fail_fast: bool) -> None:
+    port_server = start_server(
+        tiny_llama_dir,
+        tmp_path,
+        ["--max-rolling-batch-size", "2"],
+        api_key=None,
+        env={"SERVING_FAIL_FAST": "true" if fail_fast else "false"},
+        command=[sys.executable, "-c", CRASHING_SERVE],
+    )
+    r = httpx.post(f"{port_server.url}/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 4}})
+    assert r.status_code in (500, 503), r.text
+    if fail_fast:
+        assert port_server.proc.wait(30) == 3
+        return
+    time.sleep(1.5)
+    ping = httpx.get(f"{port_server.url}/ping", timeout=5)
+    assert ping.status_code == 503 and ping.json()["status"] == "unhealthy"
+    assert port_server.stop(timeout_s=30) == 0
+
+
+def test_print_config_names_sources(tiny_llama_dir: Path) -> None:
+    out = subprocess.run(
+        [*cli_command(), "serve", "--model", str(tiny_llama_dir), "--n-positions", "128", "--print-config"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert str(tiny_llama_dir) in out.stdout and "128" in out.stdout and "cli" in out.stdout
+
+
+def test_bind_host_follows_sagemaker_mode(tmp_path: Path) -> None:
+    from neuron_lmi.commands.serve import bind_host
+    from neuron_lmi.config import load_config
+
+    plain_env = {"SM_MODEL_DIR": ""}
+    sm_dir = tmp_path / "model"
+    sm_dir.mkdir()
+    (sm_dir / "serving.properties").write_text("option.model_id=smollm2\n")
+    sm_env = {"SM_MODEL_DIR": str(sm_dir)}
+    assert (
+        bind_host(
+            load_config({"model_id": "smollm2"}, None, {"SM_MODEL_DIR": str(tmp_path / "x")}), plain_env
+        )
+        == "127.0.0.1"
+    )
+    assert bind_host(load_config({}, None, sm_env), sm_env) == "0.0.0.0"
+    assert bind_host(load_config({"host": "10.0.0.5"}, None, sm_env), sm_env) == "10.0.0.5"
