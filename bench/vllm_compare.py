@@ -117,7 +117,6 @@ def server_command(name: str, args: argparse.Namespace, model_dir: Path, port: i
             "float32",
             "--seed",
             "0",
-            "--disable-log-requests",
         ], "/health"
     raise ValueError(f"unknown server {name!r}")
 
@@ -134,8 +133,6 @@ def bench_once(url: str, args: argparse.Namespace, out: Path, requests: int) -> 
         "openai",
         "--openai-endpoint",
         "completions",
-        "--model",
-        "smollm2",
         "--concurrency",
         str(args.concurrency),
         "--requests",

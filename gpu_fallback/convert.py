@@ -9,6 +9,7 @@ copied into a freshly built model of the same config, which saves normally.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -26,9 +27,16 @@ def default_cache_dir() -> Path:
     return Path(root) / "vllm-models"
 
 
+# Bumped whenever the written layout changes, so that stale cache entries are rebuilt.
+LAYOUT_VERSION = 3
+# transformers 5.x writes its own class name (TokenizersBackend), which 4.x cannot load; this one
+# both read, so a converted directory serves the main environment and the vLLM one alike.
+PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+
+
 def _fingerprint(gguf: Path) -> str:
     st = gguf.stat()
-    key = f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+    key = f"v{LAYOUT_VERSION}:{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -61,7 +69,24 @@ def gguf_to_safetensors(gguf_path: str | Path, out_dir: str | Path, dtype: str =
             fresh.generation_config.eos_token_id = tokenizer.eos_token_id
     fresh.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
+    _add_legacy_rope_theta(out / "config.json")
+    tok_config_path = out / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text(encoding="utf-8"))
+    tok_config["tokenizer_class"] = PORTABLE_TOKENIZER_CLASS
+    tok_config_path.write_text(json.dumps(tok_config, indent=2) + "\n", encoding="utf-8")
     return out
+
+
+def _add_legacy_rope_theta(config_path: Path) -> None:
+    """transformers 5.x nests rope_theta in rope_parameters; 4.x reads only the top-level key and
+    would silently fall back to 10000. Write both so every reader builds the same model."""
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" not in config and "rope_theta" in rope:
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope scaling {rope!r} has no portable spelling here")
+        config["rope_theta"] = rope["rope_theta"]
+        config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def ensure_safetensors_dir(model: str | Path, cache_dir: str | Path | None = None) -> Path:

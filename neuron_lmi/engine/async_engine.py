@@ -177,12 +177,19 @@ class AsyncEngine:
                 self._wake.set()
 
     async def _next_event(self, events: asyncio.Queue[TokenEvent]) -> TokenEvent:
-        while True:
-            try:
-                return await asyncio.wait_for(events.get(), timeout=1.0)
-            except TimeoutError:
-                if not self._alive and events.empty():
-                    raise EngineDeadError("the engine loop stopped while the request was running") from None
+        # asyncio.wait keeps the pending get alive across polls; wait_for(get) can drop an event
+        # when its timeout races the put (Python 3.11).
+        getter = asyncio.ensure_future(events.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=1.0)
+                if done:
+                    return getter.result()
+                if not self._alive:
+                    raise EngineDeadError("the engine loop stopped while the request was running")
+        finally:
+            if not getter.done():
+                getter.cancel()
 
     async def abort(self, request_id: str) -> None:
         self._aborts.put(request_id)

@@ -29,6 +29,13 @@ class CpuEngineOptions:
     tensor_parallel_degree: int = 1  # option.tensor_parallel_degree (logical ranks on CPU)
     group_query_attention: str | None = None  # option.group_query_attention
     num_threads: int | None = None
+    # Ahead-of-time compiled graphs (neuron-lmi compile --target cpu): load from the compile cache,
+    # compiling on a miss unless no_compile. compiled_graph_path (option.compiled_graph_path) is the
+    # store's folder or an s3:// remote and implies compiled.
+    compiled: bool = False
+    compiled_graph_path: str | None = None
+    no_compile: bool = False
+    context_length_estimate: tuple[int, ...] | None = None  # option.context_length_estimate
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype not in DTYPES:
@@ -68,10 +75,22 @@ def build_cpu_engine_core(
         from neuron_lmi.parallel.tp_model import apply_tensor_parallel
 
         model = apply_tensor_parallel(
-            model, options.tensor_parallel_degree, options.group_query_attention or "shard-over-heads"
+            model,
+            options.tensor_parallel_degree,
+            options.group_query_attention or "shard-over-heads",
+            batch_size=options.max_rolling_batch_size,
         )
     tokenizer = load_tokenizer(ckpt)
-    runner = CpuRunner(model, options.max_rolling_batch_size, n_positions)
+    if options.compiled or options.compiled_graph_path:
+        from neuron_lmi.runners.compiled import compiled_runner_for_engine
+
+        runner = compiled_runner_for_engine(
+            model, path, options.max_rolling_batch_size, n_positions, options.dtype,
+            context_length_estimate=options.context_length_estimate,
+            compiled_graph_path=options.compiled_graph_path, no_compile=options.no_compile,
+        )  # fmt: skip
+    else:
+        runner = CpuRunner(model, options.max_rolling_batch_size, n_positions)
     log.info(
         "CPU engine: %s (%s), %d rows x %d positions, dtype %s, KV cache %.1f MiB",
         ckpt.source,

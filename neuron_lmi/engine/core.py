@@ -124,9 +124,9 @@ class EngineCore:
         if decision.prefill:
             for request in decision.prefill:
                 request.row = self.runner.rows.allocate()
-            events += self._forward(decision.prefill, lambda rs: self._prefill(rs, full=False))
+            events += self._forward(decision.prefill, lambda rs: self._prefill(rs, full=False), isolate=True)
         if decision.recompute:
-            events += self._forward(decision.recompute, lambda rs: self._prefill(rs, full=True))
+            events += self._forward(decision.recompute, lambda rs: self._prefill(rs, full=True), isolate=True)
         if decision.decode:
             events += self._forward(
                 decision.decode,
@@ -139,7 +139,9 @@ class EngineCore:
         prompts = [r.all_ids if full else r.prompt_ids for r in requests]
         return self.runner.prefill([r.row for r in requests], prompts)
 
-    def _forward(self, requests: list[Request], run: Any) -> list[TokenEvent]:
+    def _forward(self, requests: list[Request], run: Any, isolate: bool = False) -> list[TokenEvent]:
+        """Run one batch and sample. A failed prefill batch is retried one request at a time
+        (a prefill only overwrites its own rows), so one bad request cannot fail the others."""
         try:
             logits = run(requests)
             out = sample(
@@ -149,6 +151,8 @@ class EngineCore:
                 [r.generator for r in requests],
             )
         except Exception as exc:  # one failed batch must not take the engine down
+            if isolate and len(requests) > 1:
+                return [event for r in requests for event in self._forward([r], run)]
             log.exception("model step failed for %d request(s)", len(requests))
             return [self._fail(r, exc) for r in requests]
         events = []

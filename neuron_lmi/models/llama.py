@@ -8,11 +8,13 @@ fused (q|k|v and gate|up) so a layer costs three matmuls and one attention.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cache_api import write_step
+from cache_api import KVCache, write_step
 from neuron_lmi.models.args import ModelArgs
 from neuron_lmi.models.rope import Rotary, apply_rotary
 
@@ -24,8 +26,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeInputs:
+    """What every layer of one decode step shares: rows, their positions, rotary tables and masks."""
+
+    rows: torch.Tensor  # [B] KV-cache rows
+    positions: torch.Tensor  # [B] position written this step
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor  # [B, 1, 1, attn_len] bool
+    attn_len: int
+    scale: float
+    row_slice: slice | None  # ``rows`` as a slice when they are an ascending run
+
+
 class DecoderLayer(nn.Module):
-    """One pre-norm block. Head counts are attributes so a tensor-parallel shard can hold fewer."""
+    """One pre-norm block. Head counts are attributes so a tensor-parallel shard can hold fewer.
+
+    ``prefill_step``/``decode_step`` are the whole block; the model loops over them, so a layer
+    with the same two methods (``parallel.tp_model.ShardedDecoderLayer``) can stand in for it.
+    """
 
     def __init__(self, args: ModelArgs, n_heads: int, n_kv_heads: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -64,6 +84,29 @@ class DecoderLayer(nn.Module):
         h = rms_norm(x, self.post_norm, self.eps)
         gate, up = F.linear(h, self.w_gate_up, self.b_gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.w_down, self.b_down)
+
+    def prefill_step(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[n, T, hidden] -> (next hidden, k [n, KVH, T, D], v [n, KVH, T, D])."""
+        q, k, v = self.qkv(x)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        x = x + self.attn_out(attn)
+        return x + self.mlp(x), k, v
+
+    def decode_step(
+        self, x: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, step: DecodeInputs
+    ) -> torch.Tensor:
+        """[B, 1, hidden] -> next hidden; writes this step's K/V into ``k_layer``/``v_layer``
+        (``[n_rows, KVH, n_positions, D]``) at ``step.positions`` of ``step.rows``."""
+        q, k, v = self.qkv(x)
+        q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
+        write_step(k_layer, v_layer, step.rows, step.positions, k[:, :, 0], v[:, :, 0])
+        rows = step.row_slice if step.row_slice is not None else step.rows
+        k_all, v_all = k_layer[rows, :, : step.attn_len], v_layer[rows, :, : step.attn_len]
+        x = x + self.attn_out(grouped_decode_attention(q, k_all, v_all, step.mask, step.scale))
+        return x + self.mlp(x)
 
 
 def grouped_decode_attention(
@@ -109,6 +152,11 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = Rotary(args.rope, args.head_dim, args.max_position_embeddings, n_positions)
         self.scale = args.head_dim**-0.5
 
+    def make_cache(self, n_rows: int, n_positions: int) -> KVCache:
+        """The KV cache this model decodes against (a tensor-parallel model returns one per rank)."""
+        a = self.args
+        return KVCache(a.n_layers, n_rows, a.n_kv_heads, n_positions, a.head_dim, dtype=self.dtype)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(rms_norm(hidden, self.norm, self.args.rms_norm_eps), self.lm_head).float()
 
@@ -135,13 +183,9 @@ class LlamaForCausalLM(nn.Module):
         x = F.embedding(tokens, self.embed)
         keys, values = [], []
         for layer in self.layers:
-            q, k, v = layer.qkv(x)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            x, k, v = layer.prefill_step(x, cos, sin, mask, self.scale)
             keys.append(k)
             values.append(v)
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
-            x = x + layer.attn_out(attn)
-            x = x + layer.mlp(x)
         last = x[torch.arange(n), torch.tensor(lengths) - 1]
         return self.logits(last), torch.stack(keys), torch.stack(values)
 
@@ -157,27 +201,17 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """One token per row: writes its K/V at ``positions`` of ``rows`` and returns logits [B, vocab].
 
-        ``k_cache``/``v_cache`` are ``[n_layers, n_rows, KVH, n_positions, D]``; attention reads the
-        first ``attn_len`` positions (>= every position + 1).
+        ``k_cache``/``v_cache`` are ``[n_layers, n_rows, KVH, n_positions, D]`` (``make_cache().k``/``.v``:
+        indexed by layer, whatever a layer holds); attention reads the first ``attn_len`` positions
+        (>= every position + 1).
         """
         b = tokens.shape[0]
         cos, sin = self.rotary.lookup(positions[:, None], seq_lens=(positions + 1).tolist())
         mask = self.window_mask(positions[:, None], torch.arange(attn_len)[None, :]).view(b, 1, 1, attn_len)
-        row_slice = _contiguous(rows)
+        step = DecodeInputs(rows, positions, cos, sin, mask, attn_len, self.scale, _contiguous(rows))
         x = F.embedding(tokens[:, None], self.embed)
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(x)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            write_step(k_cache[i], v_cache[i], rows, positions, k[:, :, 0], v[:, :, 0])
-            if row_slice is not None:
-                k_all = k_cache[i, row_slice, :, :attn_len]
-                v_all = v_cache[i, row_slice, :, :attn_len]
-            else:
-                k_all = k_cache[i, rows, :, :attn_len]
-                v_all = v_cache[i, rows, :, :attn_len]
-            attn = grouped_decode_attention(q, k_all, v_all, mask, self.scale)
-            x = x + layer.attn_out(attn)
-            x = x + layer.mlp(x)
+            x = layer.decode_step(x, k_cache[i], v_cache[i], step)
         return self.logits(x[:, 0])
 
 

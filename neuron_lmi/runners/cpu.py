@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cache_api import KVCache, RowTable
+from cache_api import RowTable
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.runners.buckets import pick_bucket, power_of_two_buckets
 
@@ -34,7 +34,8 @@ class CpuRunner:
         self.model = model
         self.n_positions = n_positions
         self.vocab_size = a.vocab_size
-        self.cache = KVCache(a.n_layers, n_rows, a.n_kv_heads, n_positions, a.head_dim, dtype=model.dtype)
+        # The model lays out its own cache: one KVCache, or one per tensor-parallel rank.
+        self.cache = model.make_cache(n_rows, n_positions)
         self.context_buckets = (
             sorted(context_buckets) if context_buckets else power_of_two_buckets(n_positions)
         )

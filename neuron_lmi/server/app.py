@@ -26,6 +26,7 @@ from neuron_lmi.server import routes_lmi, routes_openai, routes_ops
 from neuron_lmi.server.context import ServerContext, make_context
 from neuron_lmi.server.errors import ApiError, error_response, family_for_path, from_engine_error, invalid
 from neuron_lmi.server.middleware import GuardMiddleware
+from neuron_lmi.server.openapi import install_openapi
 from neuron_lmi.server.options import AppOptions
 
 log = logging.getLogger(__name__)
@@ -101,5 +102,6 @@ def create_app(engine: Engine, options: AppOptions | None = None) -> FastAPI:
     for router in (routes_ops.router, routes_openai.router, routes_lmi.router):
         app.include_router(router)
     _install_error_handlers(app)
+    install_openapi(app)
     app.add_middleware(GuardMiddleware, ctx=ctx)
     return app

@@ -48,10 +48,11 @@ def failure_of(event: TokenEvent) -> ApiError | None:
 
 
 class TokenStream:
-    """One engine request whose first event has arrived.
+    """One engine request, iterated after ``prime`` received its first event.
 
     Invariants: events are yielded in order, the first one exactly once; after ``aclose`` the
-    engine iterator is closed and, if no event carried ``finish_reason``, ``engine.abort`` was called.
+    engine iterator is closed and, if the request was submitted but no event carried
+    ``finish_reason``, ``engine.abort`` was called (the abort frees its KV row).
     """
 
     def __init__(
@@ -64,12 +65,14 @@ class TokenStream:
         self._first: TokenEvent | None = None
         self._t0 = time.perf_counter()
         self._last = self._t0
+        self.submitted = False
         self.finished = False
         self.closed = False
         self.prompt_tokens = 0
 
     async def prime(self) -> None:
         """Await the first event (raising the engine's refusal, if any)."""
+        self.submitted = True
         first = await anext(self._it)
         self._first = first
         self.prompt_tokens = first.prompt_tokens
@@ -107,7 +110,7 @@ class TokenStream:
         self.closed = True
         with contextlib.suppress(Exception):
             await self._it.aclose()  # type: ignore[attr-defined]
-        if not self.finished:
+        if self.submitted and not self.finished:
             self.metrics.aborted.inc()
             with contextlib.suppress(Exception):
                 await self.engine.abort(self.request_id)

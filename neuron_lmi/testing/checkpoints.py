@@ -6,6 +6,7 @@ the server can run them on real text.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,9 @@ TINY_BASE: dict[str, Any] = {
 }
 
 
-def save_smollm2_tokenizer(out_dir: Path) -> Any:
+@functools.lru_cache(maxsize=1)
+def _smollm2_tokenizer() -> Any:
+    # Converting the GGUF vocabulary takes seconds; do it once per process.
     from transformers import AutoTokenizer
 
     from neuron_lmi.models.builtin import smollm2_gguf_path
@@ -34,6 +37,11 @@ def save_smollm2_tokenizer(out_dir: Path) -> Any:
     # transformers' GGUF conversion picks <|im_start|> as EOS; the GGUF metadata says <|im_end|> (id 2).
     tok.eos_token = "<|im_end|>"
     tok.add_bos_token = False  # as the GGUF's tokenizer.ggml.add_bos_token says
+    return tok
+
+
+def save_smollm2_tokenizer(out_dir: Path) -> Any:
+    tok = _smollm2_tokenizer()
     tok.save_pretrained(str(out_dir))
     return tok
 

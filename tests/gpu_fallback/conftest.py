@@ -46,6 +46,26 @@ def smollm2_safetensors(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_safetensors_dir(smollm2_gguf_path(), default_cache_dir())
 
 
+class _IdsChatTemplate:
+    """A tokenizer whose ``apply_chat_template(tokenize=True)`` returns ids, as transformers 4.x did.
+
+    The server suite was written against 4.x; 5.x (vLLM's pin) returns a BatchEncoding there.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        out = self._tokenizer.apply_chat_template(*args, **kwargs)
+        return list(out["input_ids"]) if hasattr(out, "keys") and "input_ids" in out else out
+
+
 class HFGreedyReference:
     """Greedy generation by transformers on the same weights, shaped like an engine for ``direct_greedy``.
 
@@ -57,7 +77,7 @@ class HFGreedyReference:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = _IdsChatTemplate(AutoTokenizer.from_pretrained(str(model_dir)))
         self._model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         self._torch = torch
 
@@ -80,6 +100,35 @@ class HFGreedyReference:
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         for i, token in enumerate(new):
             yield SimpleNamespace(token_id=token, text=text if i == len(new) - 1 else "")
+
+    def explains(self, prompt, text: str, max_new_tokens: int, tol: float = 0.05) -> bool:
+        """Whether ``text`` is a greedy continuation of ``prompt`` up to near-ties.
+
+        At each step any token within ``tol`` nats of the most likely one may be taken. vLLM's CPU
+        kernels are not batch-invariant: under concurrent load a near-tie (SmolLM2 has ones of
+        0.014 nats) can flip, which is the model's numerics and not a serving error.
+        """
+        torch = self._torch
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        new: list[int] = []
+        for _ in range(max_new_tokens):
+            if self.tokenizer.decode(new, skip_special_tokens=True) == text:
+                return True
+            with torch.no_grad():
+                logprobs = self._model(torch.tensor([ids + new])).logits[0, -1].log_softmax(-1)
+            best = float(logprobs.max())
+            candidates = sorted(
+                (logprobs >= best - tol).nonzero().flatten().tolist(), key=lambda t: -logprobs[t]
+            )
+            for token in candidates:
+                if token == self.tokenizer.eos_token_id:
+                    continue
+                if text.startswith(self.tokenizer.decode([*new, token], skip_special_tokens=True)):
+                    new.append(token)
+                    break
+            else:
+                return False
+        return self.tokenizer.decode(new, skip_special_tokens=True) == text
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,8 @@ from text_generation import Client
 from tests.server.conftest import ServerProcess, direct_greedy
 
 PROMPT = "Deep learning on Inferentia"
+# text_generation 0.7 still calls pydantic's deprecated ``.dict()``; not our concern here.
+pytestmark = pytest.mark.filterwarnings("ignore:The `dict` method is deprecated")
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +25,9 @@ def test_ping_health_info(tiny_server: ServerProcess, http: httpx.Client) -> Non
     assert httpx.get(f"{tiny_server.url}/health", timeout=5).json()["status"] == "healthy"
     info = http.get("/info").json()
     assert info["max_total_tokens"] == 256 and info["model_pipeline_tag"] == "text-generation"
+    spec = http.get("/openapi.json").json()
+    body = spec["paths"]["/invocations"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/LmiRequest"}
 
 
 def test_invocations_details_match_engine(http: httpx.Client, direct_engine) -> None:

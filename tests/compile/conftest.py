@@ -1,0 +1,83 @@
+"""One real AOTInductor compile of a tiny model per session, shared by the tests that only read it.
+
+The entry is compiled for 4 rows x 128 positions (buckets: prefill 64, decode 128: two graphs), the
+same plan the engine derives for ``max_rolling_batch_size=4, n_positions=128``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+N_ROWS, N_POSITIONS = 4, 128
+
+
+@dataclass
+class CompiledStore:
+    """The session's store: its root, the tiny checkpoint, and which graphs the first open compiled."""
+
+    root: Path
+    model_dir: Path
+    key: str
+    compiled_graphs: list[tuple[str, int]]
+    n_rows: int = N_ROWS
+    n_positions: int = N_POSITIONS
+
+    def load_model(self):
+        return load_tiny(self.model_dir)
+
+    def plan(self, n_rows: int = N_ROWS):
+        from neuron_lmi.compile.cpu_aot import CpuPlan
+
+        return CpuPlan.default(n_rows, N_POSITIONS, "fp32")
+
+
+def load_tiny(model_dir: Path):
+    from neuron_lmi.models import build_model
+    from neuron_lmi.models.loader import load_checkpoint
+
+    ckpt = load_checkpoint(model_dir)
+    return build_model(ckpt.config, ckpt.state_dict, n_positions=N_POSITIONS)
+
+
+def counting(calls: list[tuple[str, int]], real: Callable[..., None]) -> Callable[..., None]:
+    """Wrap ``cpu_aot.compile_graph`` so a test can assert which graphs were compiled."""
+
+    def wrapper(model, plan, kind: str, size: int, path: Path) -> None:
+        calls.append((kind, size))
+        real(model, plan, kind, size, path)
+
+    return wrapper
+
+
+@pytest.fixture(scope="session")
+def compiled_store(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> CompiledStore:
+    from compile_cache import CompileCache
+    from neuron_lmi.compile import cpu_aot
+    from neuron_lmi.runners.compiled import open_compiled_runner
+
+    root = tmp_path_factory.mktemp("compile_store")
+    calls: list[tuple[str, int]] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_aot, "compile_graph", counting(calls, cpu_aot.compile_graph))
+        opened = open_compiled_runner(
+            load_tiny(tiny_llama_dir),
+            tiny_llama_dir,
+            cpu_aot.CpuPlan.default(N_ROWS, N_POSITIONS, "fp32"),
+            CompileCache(root),
+        )
+    assert opened.compiled
+    return CompiledStore(root, tiny_llama_dir, opened.entry.key, calls)
+
+
+@pytest.fixture()
+def compile_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Records every real graph compile made during the test as ``(kind, size)``."""
+    from neuron_lmi.compile import cpu_aot
+
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(cpu_aot, "compile_graph", counting(calls, cpu_aot.compile_graph))
+    return calls

@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import pytest
+
+from neuron_lmi.engine.detokenizer import IncrementalDetokenizer
+from neuron_lmi.engine.stops import StopMatcher
+
+
+def feed(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
+    out, hit = "", False
+    for piece in pieces:
+        text, hit = matcher.add(piece)
+        out += text
+        if hit:
+            break
+    return out, hit
+
+
+def test_stop_split_across_pieces_is_excluded_and_stops():
+    out, hit = feed(StopMatcher(("\n\nUser:",)), ["Hello", " there\n", "\nUs", "er: more"])
+    assert hit
+    assert out == "Hello there"
+
+
+def test_partial_stop_prefix_is_held_then_released():
+    matcher = StopMatcher(("STOP",))
+    text, hit = matcher.add("abcST")
+    assert (text, hit) == ("abc", False)
+    text, hit = matcher.add("ay")
+    assert (text, hit) == ("STay", False)
+    assert matcher.flush() == ""
+
+
+def test_earliest_of_several_stops_wins():
+    out, hit = feed(StopMatcher(("world", "lo w")), ["hello world"])
+    assert hit and out == "hel"
+
+
+def test_flush_releases_held_text_at_the_end():
+    matcher = StopMatcher(("</s>",))
+    assert matcher.add("done </") == ("done ", False)
+    assert matcher.flush() == "</"
+    assert matcher.emitted_text == "done </"
+
+
+def test_without_stops_everything_passes_through():
+    assert feed(StopMatcher(()), ["a", "b"]) == ("ab", False)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Hello world, how are you?", "naïve café — 東京タワー 🚀🎉 done", "  leading spaces\n\ttabs and\nnewlines  "],
+)
+def test_incremental_detokenization_reassembles_text_exactly(tokenizer, text):
+    prompt = tokenizer.encode("Say:")
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    pieces = [detok.add(t) for t in ids] + [detok.flush()]
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in piece for piece in pieces)
+
+
+def test_multibyte_character_is_held_until_complete(tokenizer):
+    ids = tokenizer.encode("🚀")
+    assert len(ids) > 1  # byte-level BPE splits the emoji
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("x"))
+    pieces = [detok.add(t) for t in ids]
+    assert pieces[:-1] == [""] * (len(ids) - 1)
+    assert pieces[-1] == "🚀"
