@@ -37,8 +37,8 @@ IDLE_WAIT_S = 0.05
 class AsyncEngine:
     """Implements ``neuron_lmi.engine.protocol.Engine`` over an ``EngineCore``.
 
-    Invariants: at most ``max_queue_size`` requests wait for a row (more are refused with
-    ``EngineOverloadedError``); a stream that is closed before its last event aborts its request,
+    Invariants: at most ``max_queue_size`` requests beyond the free rows wait for a row (more are
+    refused with ``EngineOverloadedError``); a stream that is closed before its last event aborts its request,
     which frees the row at the start of the next step.
     """
 
@@ -152,9 +152,11 @@ class AsyncEngine:
         if self._stopping.is_set():
             raise EngineOverloadedError("the server is shutting down", retry_after_s=5.0)
         waiting = len(self.core.scheduler.waiting) + self._pending
-        if waiting >= self.max_queue_size:
+        free_rows = self.core.runner.rows.occupancy().rows_free
+        if waiting >= self.max_queue_size + free_rows:
             raise EngineOverloadedError(
-                f"{waiting} requests are already waiting for a KV row (max_queue_size={self.max_queue_size})"
+                f"{waiting} requests are already waiting for a KV row "
+                f"({free_rows} free, max_queue_size={self.max_queue_size})"
             )
 
     async def _stream(self, request: Request, events: asyncio.Queue[TokenEvent]) -> AsyncIterator[TokenEvent]:

@@ -118,7 +118,8 @@ class TokenEvent:
 
     ``text`` is the new *printable* text this token adds (it can be empty while a multi-byte
     character or a possible stop sequence is held back). The last event of a stream has
-    ``finish_reason`` set; its ``text`` flushes whatever was held back.
+    ``finish_reason`` set; its ``text`` flushes whatever was held back. An event that carries no
+    token (an abort, or an error with ``error`` set) has ``token_id == -1``.
     """
 
     request_id: str
