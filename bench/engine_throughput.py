@@ -20,10 +20,35 @@ import torch
 from neuron_lmi.engine.llm import LLM
 from neuron_lmi.engine.types import SamplingParams
 
-WORDS = (
-    "the a model serves tokens quickly across many cores while users send requests about weather "
-    "science history music code travel food sport art language numbers and stories"
-).split()
+WORDS = [
+    "the",
+    "a",
+    "model",
+    "serves",
+    "tokens",
+    "quickly",
+    "across",
+    "many",
+    "cores",
+    "while",
+    "users",
+    "send",
+    "requests",
+    "about",
+    "weather",
+    "science",
+    "history",
+    "music",
+    "code",
+    "travel",
+    "food",
+    "sport",
+    "art",
+    "language",
+    "numbers",
+    "and",
+    "stories",
+]
 
 
 def make_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
@@ -68,7 +93,9 @@ def ours_tokens_per_s(llm: LLM, prompts: list[list[int]], new_tokens: int) -> fl
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
@@ -96,7 +123,9 @@ def main() -> int:
     hf_tokens_per_s(hf, warm, 4, pad_id)
     ours_tokens_per_s(llm, warm, 4)
     rows = []
-    print(f"threads={torch.get_num_threads()} dtype={args.dtype} new_tokens={args.new_tokens}", file=sys.stderr)
+    print(
+        f"threads={torch.get_num_threads()} dtype={args.dtype} new_tokens={args.new_tokens}", file=sys.stderr
+    )
     print(f"{'batch':>5} {'transformers tok/s':>19} {'neuron-lmi tok/s':>17} {'ratio':>6}")
     for batch in batch_sizes:
         prompts = make_prompts(llm.tokenizer, batch, seed=batch)
@@ -105,7 +134,9 @@ def main() -> int:
             hf_runs.append(hf_tokens_per_s(hf, prompts, args.new_tokens, pad_id))
             our_runs.append(ours_tokens_per_s(llm, prompts, args.new_tokens))
         hf_best, our_best = max(hf_runs), max(our_runs)
-        rows.append({"batch": batch, "transformers": hf_best, "neuron_lmi": our_best, "ratio": our_best / hf_best})
+        rows.append(
+            {"batch": batch, "transformers": hf_best, "neuron_lmi": our_best, "ratio": our_best / hf_best}
+        )
         print(f"{batch:>5} {hf_best:>19.1f} {our_best:>17.1f} {our_best / hf_best:>6.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -2,14 +2,15 @@
 
 Servers run one at a time (so they never compete for cores) on the same model, batch size and
 context length, and each gets the same ``neuron-lmi bench`` load (OpenAI completions, streamed, a
-fixed prompt/output length, EOS ignored) after a warm-up:
+fixed prompt/output length, EOS ignored) after a warm-up. All servers stay up and the rounds
+alternate between them, so that the host's background load falls on each alike:
 
     ours-vllm   neuron-lmi serve --backend vllm
     vllm        python -m vllm.entrypoints.openai.api_server     (vLLM's own server)
     ours-cpu    neuron-lmi serve --backend cpu                    (the torch reference engine)
 
 Run it from the vLLM environment (``scripts/setup_vllm_env.sh``); the CPU engine runs from the main
-``.venv`` when that exists (``--cpu-python``). ``--rounds 2`` alternates the servers to expose drift.
+``.venv`` when that exists (``--cpu-python``).
 
     .venv-vllm/bin/python bench/vllm_compare.py --concurrency 8 --requests 64 --out results/vllm_compare.json
 
@@ -24,6 +25,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -153,41 +155,60 @@ def bench_once(url: str, args: argparse.Namespace, out: Path, requests: int) -> 
     return json.loads(out.read_text())["levels"][0]
 
 
-def run_server(name: str, args: argparse.Namespace, model_dir: Path, work: Path, round_no: int) -> dict:
+def start_server(name: str, args: argparse.Namespace, model_dir: Path, work: Path) -> tuple:
+    """Start one server, wait until it is ready, warm it up; returns (process, url, start-up seconds)."""
     port = free_port()
     cmd, ready = server_command(name, args, model_dir, port)
-    log = work / f"{name}-{round_no}.log"
+    log = work / f"{name}.log"
     env = {**os.environ, **VLLM_CPU_ENV, "SM_MODEL_DIR": str(work / "no-sm")}
     started = time.monotonic()
     with log.open("wb") as handle:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
     try:
-        url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, ready, log, args.startup_timeout)
         startup_s = time.monotonic() - started
-        bench_once(url, args, work / f"{name}-{round_no}-warmup.json", max(2, args.concurrency))
-        result = bench_once(url, args, work / f"{name}-{round_no}.json", args.requests)
-    finally:
+        bench_once(url, args, work / f"{name}-warmup.json", max(2, args.concurrency))
+    except BaseException:
+        stop_server(proc)
+        raise
+    print(f"[{name}] ready after {startup_s:.0f}s", file=sys.stderr, flush=True)
+    return proc, url, startup_s
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    result["startup_s"] = startup_s
-    print(
-        f"[{name} round {round_no}] start-up {startup_s:.0f}s, {result['output_tokens_per_s']:.1f} tok/s, "
-        f"TTFT p50 {result['ttft_p50_ms']:.0f} ms, errors {result['errors']}",
-        file=sys.stderr,
-        flush=True,
-    )
-    return result
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def measure(names: list[str], servers: dict, args: argparse.Namespace, work: Path) -> dict[str, list[dict]]:
+    """All servers stay up (idle ones use no CPU); rounds alternate their order so that drift in the
+    host's background load falls on every server alike."""
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    for round_no in range(args.rounds):
+        order = names if round_no % 2 == 0 else names[::-1]
+        for name in order:
+            _, url, startup_s = servers[name]
+            result = bench_once(url, args, work / f"{name}-{round_no}.json", args.requests)
+            result["startup_s"] = startup_s
+            results[name].append(result)
+            print(
+                f"[{name} round {round_no}] {result['output_tokens_per_s']:.1f} tok/s, "
+                f"TTFT p50 {result['ttft_p50_ms']:.0f} ms, errors {result['errors']}",
+                file=sys.stderr,
+                flush=True,
+            )
+    return results
 
 
 def summarize(results: dict[str, list[dict]]) -> dict:
-    def mean(name: str, key: str) -> float:
-        values = [r[key] for r in results[name]]
-        return sum(values) / len(values)
+    def mean(name: str, key: str) -> float:  # the median of the rounds: robust to one noisy round
+        return statistics.median(r[key] for r in results[name])
 
     out: dict = {}
     for name in results:
@@ -195,6 +216,7 @@ def summarize(results: dict[str, list[dict]]) -> dict:
             k: mean(name, k) for k in ("output_tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms")
         }
         out[name]["errors"] = sum(r["errors"] for r in results[name])
+        out[name]["rounds_tokens_per_s"] = [round(r["output_tokens_per_s"], 1) for r in results[name]]
     if "vllm" in results:
         base = out["vllm"]
         for name in (n for n in results if n != "vllm"):
@@ -211,7 +233,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--servers", default="ours-vllm,vllm,ours-cpu", help="which servers, in order")
-    parser.add_argument("--rounds", type=int, default=1, help="repeat the whole sequence this many times")
+    parser.add_argument("--rounds", type=int, default=3, help="measurements per server, order alternating")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -233,11 +255,15 @@ def main() -> int:
     model_dir = ensure_safetensors_dir(smollm2_gguf_path())
     args.cpu_model = args.cpu_model or str(model_dir)
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
-    results: dict[str, list[dict]] = {n: [] for n in names}
+    servers: dict[str, tuple] = {}
     with tempfile.TemporaryDirectory(prefix="vllm_compare.") as tmp:
-        for round_no in range(args.rounds):
-            for name in names:
-                results[name].append(run_server(name, args, model_dir, Path(tmp), round_no))
+        try:
+            for name in names:  # one at a time: start-up compiles, and must not slow the others
+                servers[name] = start_server(name, args, model_dir, Path(tmp))
+            results = measure(names, servers, args, Path(tmp))
+        finally:
+            for proc, _, _ in servers.values():
+                stop_server(proc)
     summary = summarize(results)
     print(json.dumps(summary, indent=2))
     if args.out:

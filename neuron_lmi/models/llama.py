@@ -171,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
     def prefill(
         self, tokens: torch.Tensor, lengths: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Encode right-padded prompts ``tokens`` [n, T].
+        """Encode right-padded prompts ``tokens`` [n, T], one prompt per row.
 
         Returns the last real position's logits [n, vocab] (fp32) and keys/values
         [n_layers, n, KVH, T, D] (positions >= a prompt's length are padding).
@@ -180,14 +180,43 @@ class LlamaForCausalLM(nn.Module):
         positions = torch.arange(t)
         cos, sin = self.rotary.lookup(positions.expand(n, t), seq_lens=lengths)
         mask = self.window_mask(positions[:, None], positions[None, :])
+        last = (torch.arange(n), torch.tensor(lengths) - 1)
+        return self._encode(tokens, cos, sin, mask, last)
+
+    @torch.inference_mode()
+    def prefill_packed(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        segments: torch.Tensor,
+        last: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Encode several prompts per row: ``positions`` restart at 0 for each prompt and a token
+        sees only earlier tokens of its own ``segments`` id (block-diagonal causal attention).
+
+        ``last`` = (row indices, column indices) of each prompt's final token; logits come back in
+        that order. Not for ``dynamic`` rope, whose tables depend on each sequence's length.
+        """
+        cos, sin = self.rotary.lookup(positions)
+        same = segments[:, :, None] == segments[:, None, :]
+        mask = (self.window_mask(positions[:, :, None], positions[:, None, :]) & same).unsqueeze(1)
+        return self._encode(tokens, cos, sin, mask, last)
+
+    def _encode(
+        self,
+        tokens: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        last: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = F.embedding(tokens, self.embed)
         keys, values = [], []
         for layer in self.layers:
             x, k, v = layer.prefill_step(x, cos, sin, mask, self.scale)
             keys.append(k)
             values.append(v)
-        last = x[torch.arange(n), torch.tensor(lengths) - 1]
-        return self.logits(last), torch.stack(keys), torch.stack(values)
+        return self.logits(x[last]), torch.stack(keys), torch.stack(values)
 
     @torch.inference_mode()
     def decode(

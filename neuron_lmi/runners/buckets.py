@@ -25,3 +25,25 @@ def pick_bucket(buckets: list[int], length: int) -> int:
     if index == len(buckets):
         raise ValueError(f"length {length} exceeds the largest bucket {buckets[-1]}")
     return buckets[index]
+
+
+def pack_into_bins(lengths: list[int], capacity: int) -> list[list[tuple[int, int]]]:
+    """First-fit-decreasing packing of sequences into rows of ``capacity`` tokens.
+
+    Returns one list per row of ``(sequence index, offset)``; every sequence appears exactly once.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[tuple[int, int]]] = []
+    used: list[int] = []
+    for i in order:
+        if lengths[i] > capacity:
+            raise ValueError(f"sequence of {lengths[i]} tokens does not fit a row of {capacity}")
+        for b, filled in enumerate(used):
+            if filled + lengths[i] <= capacity:
+                bins[b].append((i, filled))
+                used[b] += lengths[i]
+                break
+        else:
+            bins.append([(i, 0)])
+            used.append(lengths[i])
+    return bins

@@ -15,7 +15,9 @@ from .conftest import random_prompts
 @pytest.fixture()
 async def engine(tiny_llama_dir):
     # Its own core: the session's sync LLM must never be stepped from two threads.
-    eng = AsyncEngine.from_options(str(tiny_llama_dir), max_queue_size=4, max_rolling_batch_size=4, n_positions=256)
+    eng = AsyncEngine.from_options(
+        str(tiny_llama_dir), max_queue_size=4, max_rolling_batch_size=4, n_positions=256
+    )
     await eng.start()
     yield eng
     await eng.stop(grace_s=1.0)

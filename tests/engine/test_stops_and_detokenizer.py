@@ -56,7 +56,11 @@ def tokenizer(tiny_llama_dir):
 
 @pytest.mark.parametrize(
     "text",
-    ["Hello world, how are you?", "naïve café — 東京タワー 🚀🎉 done", "  leading spaces\n\ttabs and\nnewlines  "],
+    [
+        "Hello world, how are you?",
+        "naïve café — 東京タワー 🚀🎉 done",
+        "  leading spaces\n\ttabs and\nnewlines  ",
+    ],
 )
 def test_incremental_detokenization_reassembles_text_exactly(tokenizer, text):
     prompt = tokenizer.encode("Say:")
