@@ -113,7 +113,7 @@ class KVCache:
         return torch.tensor(self.rows.reserve_next(rows), dtype=torch.long)
 
     def append(self, rows: Sequence[int], keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append one position to each row; keys and values are ``[layers, len(rows), kv_heads, head_dim]``."""
+        """Append one position to each row; keys and values: ``[layers, len(rows), kv_heads, head_dim]``."""
         if (
             keys.shape != (self.n_layers, len(rows), self.n_kv_heads, self.head_dim)
             or values.shape != keys.shape
