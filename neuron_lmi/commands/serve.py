@@ -110,8 +110,47 @@ def _build_cpu(resolved: ResolvedConfig, env: Mapping[str, str]) -> Engine:
     return engine
 
 
-# Backend name -> builder. The Neuron and vLLM engineers add their entries here.
-ENGINE_BUILDERS: dict[str, Callable[[ResolvedConfig, Mapping[str, str]], Engine]] = {"cpu": _build_cpu}
+def _build_neuron(resolved: ResolvedConfig, env: Mapping[str, str]) -> Engine:
+    """transformers-neuronx behind the same rolling-batch engine; artifacts via the compile cache."""
+    from compile_cache import CompileCache
+    from neuron_lmi.backends.neuron import build_neuron_runner
+    from neuron_lmi.engine.async_engine import AsyncEngine
+    from neuron_lmi.engine.build import eos_ids_for
+    from neuron_lmi.engine.core import EngineCore
+    from neuron_lmi.model_source import fetch_model
+    from neuron_lmi.models.loader import read_hf_config
+
+    cfg = resolved.config
+    model_id = cfg.model.model_id or "smollm2"
+    path = fetch_model(
+        model_id, model_cache_dir(env), cfg.model.model_loading_timeout, env, revision=cfg.model.revision
+    )
+    remote = cfg.neuron.compiled_graph_path
+    remote_url = remote if remote and remote.startswith("s3://") else None
+    local_root = Path(remote) if remote and not remote_url else None
+    runner = build_neuron_runner(cfg, str(path), CompileCache(local_root, remote=remote_url))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    eos = eos_ids_for(read_hf_config(Path(path)), tokenizer)
+    core = EngineCore(runner, tokenizer, eos, cfg.batching.max_prefill_tokens or 4096)
+    engine = AsyncEngine(core, model_name=model_id, max_queue_size=cfg.batching.max_queue_size)
+    engine.backend_name = "neuron"
+    return engine
+
+
+def _build_vllm(resolved: ResolvedConfig, env: Mapping[str, str]) -> Engine:
+    from gpu_fallback.serve import build_vllm_engine
+
+    return build_vllm_engine(resolved, env)
+
+
+# Backend name -> builder; each imports its backend only when chosen.
+ENGINE_BUILDERS: dict[str, Callable[[ResolvedConfig, Mapping[str, str]], Engine]] = {
+    "cpu": _build_cpu,
+    "neuron": _build_neuron,
+    "vllm": _build_vllm,
+}
 
 
 def build_engine(resolved: ResolvedConfig, env: Mapping[str, str] | None = None) -> Engine:
