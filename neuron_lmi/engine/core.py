@@ -201,18 +201,7 @@ class EngineCore:
         return event
 
     def _fail(self, request: Request, exc: Exception) -> TokenEvent:
-        event = TokenEvent(
-            request_id=request.request_id,
-            index=len(request.output_ids),
-            token_id=-1,
-            token_text="",
-            text="",
-            logprob=0.0,
-            special=False,
-            prompt_tokens=len(request.prompt_ids),
-            finish_reason=FinishReason.ERROR,
-            error=f"{type(exc).__name__}: {exc}",
-        )
+        event = _closing_event(request, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
         self._finish(request, FinishReason.ERROR, emit=False)
         self._emit(request, event)
         return event
@@ -228,20 +217,7 @@ class EngineCore:
         request.status = Status.FINISHED
         request.finish_reason = reason
         if emit:
-            self._emit(
-                request,
-                TokenEvent(
-                    request_id=request.request_id,
-                    index=len(request.output_ids),
-                    token_id=-1,
-                    token_text="",
-                    text="",
-                    logprob=0.0,
-                    special=False,
-                    prompt_tokens=len(request.prompt_ids),
-                    finish_reason=reason,
-                ),
-            )
+            self._emit(request, _closing_event(request, reason))
 
     @staticmethod
     def _emit(request: Request, event: TokenEvent) -> None:
@@ -258,3 +234,19 @@ class EngineCore:
             running=len(self.scheduler.running),
             alive=alive,
         )
+
+
+def _closing_event(request: Request, reason: FinishReason, error: str | None = None) -> TokenEvent:
+    """The last event of a request that ends without a token (abort, error): ``token_id == -1``."""
+    return TokenEvent(
+        request_id=request.request_id,
+        index=len(request.output_ids),
+        token_id=-1,
+        token_text="",
+        text="",
+        logprob=0.0,
+        special=False,
+        prompt_tokens=len(request.prompt_ids),
+        finish_reason=reason,
+        error=error,
+    )
