@@ -2,9 +2,11 @@
 
 Configuration comes from ``neuron_lmi.config`` (CLI > serving.properties > environment > default).
 Started the SageMaker way (``SM_MODEL_DIR``, a ``/opt/ml/model/serving.properties``, or
-``SERVING_SAGEMAKER=true``) the server binds 0.0.0.0:8080; otherwise 127.0.0.1:8080 unless
-``--host`` says otherwise. SIGTERM drains in-flight requests within the grace period and exits 0;
-with ``SERVING_FAIL_FAST=true`` a dead engine loop makes the process exit 3.
+``SERVING_SAGEMAKER=true``) the server binds 0.0.0.0 on ``SAGEMAKER_BIND_TO_PORT`` (the port
+SageMaker assigns to images labelled ``accept-bind-to-port=true``), else 8080; otherwise
+127.0.0.1:8080 unless ``--host``/``--port`` say otherwise. SIGTERM drains in-flight requests
+within the grace period and exits 0; with ``SERVING_FAIL_FAST=true`` a dead engine loop makes the
+process exit 3.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ EXIT_STARTUP_FAILED = 1
 LOOPBACK = "127.0.0.1"
 ALL_INTERFACES = "0.0.0.0"
 CPU_DTYPES = ("fp32", "bf16")
+SAGEMAKER_PORT_VAR = "SAGEMAKER_BIND_TO_PORT"
 
 
 def add_parser(subparsers: Any) -> None:
@@ -69,6 +72,20 @@ def bind_host(resolved: ResolvedConfig, env: Mapping[str, str]) -> str:
     if not _is_default(resolved, "host"):
         return resolved.config.server.host
     return ALL_INTERFACES if sagemaker_mode(resolved, env) else LOOPBACK
+
+
+def bind_port(resolved: ResolvedConfig, env: Mapping[str, str]) -> int:
+    """``--port`` if given; in SageMaker mode ``SAGEMAKER_BIND_TO_PORT`` when set (SageMaker's
+    contract: the container listens where it is told); else the configured port (default 8080)."""
+    port = resolved.config.server.port
+    if resolved.source_of("port") == "cli" or not sagemaker_mode(resolved, env):
+        return port
+    value = env.get(SAGEMAKER_PORT_VAR, "").strip()
+    if not value:
+        return port
+    if not value.isdigit() or not 0 < int(value) <= 65535:
+        raise ValueError(f"{SAGEMAKER_PORT_VAR}={value!r}: expected a TCP port number (1-65535)")
+    return int(value)
 
 
 def _requested_backend(resolved: ResolvedConfig) -> str:
@@ -201,10 +218,11 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(format_config(resolved))
         mode = "SageMaker" if sagemaker_mode(resolved, env) else "local"
-        print(f"bind address: {bind_host(resolved, env)}:{resolved.config.server.port} ({mode} mode)")
+        print(f"bind address: {bind_host(resolved, env)}:{bind_port(resolved, env)} ({mode} mode)")
         return 0
     server_cfg = resolved.config.server
     host = bind_host(resolved, env)
+    port = bind_port(resolved, env)
     try:
         engine = build_engine(resolved, env)
     except TimeoutError as exc:  # option.model_loading_timeout: report it like any start-up failure
@@ -228,9 +246,9 @@ def run(args: argparse.Namespace) -> int:
         sagemaker=sagemaker_mode(resolved, env),
         on_fatal=on_fatal,
     )
-    server = _make_server(create_app(engine, options), host, server_cfg.port, server_cfg.grace_period_s)
+    server = _make_server(create_app(engine, options), host, port, server_cfg.grace_period_s)
     holder["server"] = server
-    log.info("listening on http://%s:%d", host, server_cfg.port)
+    log.info("listening on http://%s:%d", host, port)
     server.run()
     if not server.started and state["code"] == 0:
         return EXIT_STARTUP_FAILED
