@@ -74,7 +74,9 @@ def summarize(latencies: list[float]) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--rate", type=float, default=2.0, help="mean arrivals per second")

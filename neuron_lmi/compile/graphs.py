@@ -82,10 +82,11 @@ class DecodeGraph(_Graph):
         for i, layer in enumerate(m.layers):
             q, k, v = layer.qkv(x)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            k_new = torch.where(keep, k[:, :, 0], k_cache[i, rows, :, positions])
-            v_new = torch.where(keep, v[:, :, 0], v_cache[i, rows, :, positions])
-            k_cache[i][rows, :, positions] = k_new
-            v_cache[i][rows, :, positions] = v_new
+            # Index the 5-D cache itself (layer as an index tensor, not a view): a write through
+            # ``k_cache[i]`` would be functionalised into a copy of the whole cache per layer.
+            slot = (torch.full_like(rows, i), rows, slice(None), positions)
+            k_cache[slot] = torch.where(keep, k[:, :, 0], k_cache[slot])
+            v_cache[slot] = torch.where(keep, v[:, :, 0], v_cache[slot])
             k_all = k_cache[i, :, :, : self.attn_len]
             v_all = v_cache[i, :, :, : self.attn_len]
             attn = grouped_decode_attention(q, k_all, v_all, mask, m.scale)
@@ -119,12 +120,12 @@ class PrefillGraph(_Graph):
         cos, sin = self.rope_cos[:t][None], self.rope_sin[:t][None]
         mask = m.window_mask(positions[:, None], positions[None, :])
         x = F.embedding(tokens, m.embed)
-        slot = (row[:, None], slice(None), positions[None, :])
         for i, layer in enumerate(m.layers):
             q, k, v = layer.qkv(x)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            k_cache[i][slot] = k.transpose(1, 2)
-            v_cache[i][slot] = v.transpose(1, 2)
+            slot = (torch.full_like(row, i)[:, None], row[:, None], slice(None), positions[None, :])
+            k_cache[slot] = k.transpose(1, 2)
+            v_cache[slot] = v.transpose(1, 2)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=m.scale, enable_gqa=True)
             x = x + layer.attn_out(attn)
             x = x + layer.mlp(x)
