@@ -42,6 +42,9 @@ PLAN_FILE = "graphs.json"
 # Inductor settings baked into every package; part of the cache key as compiler flags. Read-only:
 # aoti_compile_and_package adds keys to the dict it is given, so it only ever gets a copy.
 INDUCTOR_CONFIGS: Mapping[str, Any] = MappingProxyType({"aot_inductor.package_constants_in_so": False})
+# Bump when graphs.py or this module changes what a package computes or expects: old entries then
+# stop matching instead of being loaded with the wrong inputs.
+GRAPHS_VERSION = 2
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Fields of ModelArgs that do not change a graph (token ids are the engine's business).
 _NON_GRAPH_FIELDS = ("bos_token_id", "eos_token_ids")
@@ -103,7 +106,11 @@ def cpu_key_inputs(model: LlamaForCausalLM, weights_path: str | Path, plan: CpuP
     """The cache key of ``plan`` compiled for ``model``; the same function serves compile and serve."""
     if DTYPE_NAMES.get(model.dtype) != plan.dtype:
         raise ValueError(f"dtype: the model is {model.dtype}, the plan says {plan.dtype}")
-    flags = (*(f"{k}={v}" for k, v in sorted(INDUCTOR_CONFIGS.items())), f"cpu_capability={cpu_capability()}")
+    flags = (
+        *(f"{k}={v}" for k, v in sorted(INDUCTOR_CONFIGS.items())),
+        f"cpu_capability={cpu_capability()}",
+        f"graphs_version={GRAPHS_VERSION}",
+    )
     return CacheKeyInputs(
         architecture=architecture_description(model),
         target="cpu",

@@ -144,14 +144,26 @@ async def open_streams(
         for i, (prompt, params) in enumerate(jobs):
             rid = base if len(jobs) == 1 else f"{base}-{i}"
             streams.append(TokenStream(engine, metrics, engine.generate(prompt, params, rid), rid))
-        results = await asyncio.gather(*(_prime(s) for s in streams), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise errors[0]
+        await _prime_all(streams)
     except BaseException:
         await close_all(streams)
         raise
     return streams
+
+
+async def _prime_all(streams: Sequence[TokenStream]) -> None:
+    """Wait for every first event; the first refusal cancels the other waits at once (a request
+    queued behind a busy row must not hold the error response until that row frees)."""
+    tasks = [asyncio.ensure_future(_prime(s)) for s in streams]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    errors = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
+    if errors:
+        raise errors[0]
 
 
 async def close_all(streams: Sequence[TokenStream]) -> None:

@@ -16,6 +16,8 @@ import pytest
 from tests.server.conftest import ServerProcess, cli_command, start_server
 
 LONG = {"inputs": "Count forever:", "parameters": {"max_new_tokens": 240, "ignore_eos": True}, "stream": True}
+# Long enough that the one row stays busy while the overload requests are sent, even on a fast host.
+LONGER = {**LONG, "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def small_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     server = start_server(
         tiny_llama_dir,
         tmp,
-        ["--max-rolling-batch-size", "1", "--n-positions", "256"],
+        ["--max-rolling-batch-size", "1", "--n-positions", "4096"],
         env={"SERVING_JOB_QUEUE_SIZE": "1"},
         api_key=None,
     )
@@ -33,8 +35,10 @@ def small_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     server.stop(timeout_s=60)
 
 
-def _hold_stream(url: str, started: threading.Event, result: dict[str, object]) -> None:
-    with httpx.stream("POST", f"{url}/invocations", json=LONG, timeout=120) as r:
+def _hold_stream(
+    url: str, started: threading.Event, result: dict[str, object], payload: dict[str, object] = LONG
+) -> None:
+    with httpx.stream("POST", f"{url}/invocations", json=payload, timeout=300) as r:
         for line in r.iter_lines():
             if line:
                 started.set()
@@ -62,7 +66,7 @@ def test_overload_is_503_or_429_with_retry_after(small_server: ServerProcess) ->
     """With the one row busy, a two-prompt request puts one prompt in the queue and overflows it."""
     url = small_server.url
     running, result = threading.Event(), {}
-    holder = threading.Thread(target=_hold_stream, args=(url, running, result), daemon=True)
+    holder = threading.Thread(target=_hold_stream, args=(url, running, result, LONGER), daemon=True)
     holder.start()
     assert running.wait(30)
     sm = httpx.post(f"{url}/invocations", json={"inputs": ["a", "b"], "parameters": {"max_new_tokens": 2}})
@@ -71,7 +75,7 @@ def test_overload_is_503_or_429_with_retry_after(small_server: ServerProcess) ->
     assert sm.json()["error_type"] == "overloaded" and sm.json()["code"] == 503
     assert oa.status_code == 429 and "Retry-After" in oa.headers, oa.text
     assert oa.json()["error"]["type"] == "rate_limit_exceeded"
-    holder.join(120)
+    holder.join(300)
     assert isinstance(result.get("text"), str)  # the request already running was not disturbed
     assert small_server.wait_rows_free() == 0
     assert small_server.metric("neuron_lmi_queue_length") == 0
