@@ -121,6 +121,9 @@ def _build_cpu(resolved: ResolvedConfig, env: Mapping[str, str]) -> Engine:
         "n_positions": cfg.batching.n_positions,
         "max_queue_size": cfg.batching.max_queue_size,
         "tensor_parallel_degree": 1 if tp == "max" else tp,
+        # LMI's option.compiled_graph_path (a directory or s3:// URI) turns on the AOT-compiled runner.
+        "compiled_graph_path": cfg.neuron.compiled_graph_path,
+        "context_length_estimate": cfg.batching.context_length_estimate,
     }
     engine = AsyncEngine.from_options(str(path), **kwargs)
     engine.model_name = model_id

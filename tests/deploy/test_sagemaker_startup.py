@@ -82,7 +82,6 @@ def _wait_until_ready(proc: subprocess.Popen[bytes], url: str, log: Path) -> lis
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"serve exited with {proc.returncode} during start-up:\n{log.read_text()[-3000:]}")
-        log_before = log.read_text(errors="replace")
         try:
             status = httpx.get(f"{url}/ping", timeout=PING_ANSWER_S).status_code
         except httpx.TimeoutException:
@@ -92,8 +91,9 @@ def _wait_until_ready(proc: subprocess.Popen[bytes], url: str, log: Path) -> lis
             time.sleep(0.2)
             continue
         if status == 200:
-            # The model is loaded (the engine is built) before serve logs "listening on" and binds.
-            assert "listening on http://0.0.0.0:" in log_before, "/ping was 200 before the model loaded"
+            # The engine (model loaded) is built before serve binds, so its log line must be there.
+            log_now = log.read_text(errors="replace")
+            assert "CPU engine:" in log_now, "/ping was 200 before the model loaded"
             return before
         assert status == 503, f"/ping answered {status} while loading"
         before.append(status)
