@@ -102,6 +102,9 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument(
+        "--compiled", action="store_true", help="serve from AOTInductor artifacts (compiled on a cache miss)"
+    )
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -110,7 +113,8 @@ def main() -> int:
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    llm = LLM(args.model, dtype=args.dtype, max_rolling_batch_size=max(batch_sizes), n_positions=512)
+    extra = {"compiled": True, "context_length_estimate": (128,)} if args.compiled else {}
+    llm = LLM(args.model, dtype=args.dtype, max_rolling_batch_size=max(batch_sizes), n_positions=512, **extra)
     path = resolve_model_path(args.model)
     if path.suffix == ".gguf":
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
