@@ -120,6 +120,7 @@ def _build_cpu(resolved: ResolvedConfig, env: Mapping[str, str]) -> Engine:
         "max_rolling_batch_size": cfg.batching.max_rolling_batch_size,
         "n_positions": cfg.batching.n_positions,
         "max_queue_size": cfg.batching.max_queue_size,
+        "max_prefill_tokens": cfg.batching.max_prefill_tokens or 4096,
         "tensor_parallel_degree": 1 if tp == "max" else tp,
         # LMI's option.compiled_graph_path (a directory or s3:// URI) turns on the AOT-compiled runner.
         "compiled_graph_path": cfg.neuron.compiled_graph_path,
