@@ -18,8 +18,9 @@ NO_TOKEN_ID = -1
 def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     """Keyword arguments for ``vllm.SamplingParams`` (the caller adds ``output_kind=DELTA``).
 
-    ``logprobs`` is always requested, at least 0 (the sampled token alone), because every token
-    event carries the chosen token's log-probability; ``top_n_tokens`` adds that many alternatives.
+    ``logprobs`` is requested (at least 0: the sampled token alone) unless the caller said it does
+    not read them (``params.logprobs`` False, as for OpenAI requests without ``logprobs``): computing
+    them costs vLLM throughput. ``top_n_tokens`` adds that many alternatives.
     Stop strings are cut from the text, as LMI and TGI do.
     """
     return {
@@ -32,7 +33,7 @@ def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
         "seed": params.seed,
         "stop": list(params.stop) or None,
         "ignore_eos": params.ignore_eos,
-        "logprobs": params.top_n_tokens,
+        "logprobs": params.top_n_tokens if params.logprobs or params.top_n_tokens else None,
         "include_stop_str_in_output": False,
         "skip_special_tokens": True,
     }

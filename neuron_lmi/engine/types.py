@@ -62,6 +62,9 @@ class SamplingParams:
     seed: int | None = None
     top_n_tokens: int = 0
     ignore_eos: bool = False
+    # Whether the caller reads per-token log-probabilities. A backend where they cost extra (vLLM)
+    # may skip them when False and report 0.0; the CPU engine computes them anyway.
+    logprobs: bool = True
 
     @property
     def greedy(self) -> bool:

@@ -140,6 +140,7 @@ def to_sampling(
         seed=req.seed,
         top_n_tokens=top_n,
         ignore_eos=req.ignore_eos,
+        logprobs=bool(req.logprobs) if isinstance(req, ChatRequest) else req.logprobs is not None,
     )
     try:
         params.validate(limit)

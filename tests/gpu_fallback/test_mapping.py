@@ -61,6 +61,9 @@ def test_sampling_kwargs() -> None:
     # Greedy and no alternatives still ask for the chosen token's log-probability (logprobs=0).
     assert greedy["temperature"] == 0.0 and greedy["logprobs"] == 0 and greedy["stop"] is None
     assert greedy["top_k"] == 0 and greedy["top_p"] == 1.0 and greedy["seed"] is None
+    # A caller that reads no log-probabilities does not make vLLM compute them.
+    assert sampling_kwargs(SamplingParams(logprobs=False))["logprobs"] is None
+    assert sampling_kwargs(SamplingParams(logprobs=False, top_n_tokens=2))["logprobs"] == 2
 
 
 def lp(value, text=None, rank=None):
