@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from compile_cache.key import token_generation_buckets
 from neuron_lmi.parallel.tnx_rules import GQAStrategy
 
 AMP = MappingProxyType({"fp32": "f32", "fp16": "f16", "bf16": "bf16"})
@@ -110,12 +111,7 @@ def token_buckets(n_positions: int) -> tuple[int, ...]:
     """``bucket.token_sizes``: 128, 256, ... doubling while below ``n_positions``, then ``n_positions``."""
     if isinstance(n_positions, bool) or not isinstance(n_positions, int) or n_positions < 1:
         raise ValueError(f"n_positions must be a positive integer, got {n_positions!r}")
-    sizes, size = [], MIN_BUCKET
-    while size < n_positions:
-        sizes.append(size)
-        size *= 2
-    sizes.append(n_positions)
-    return tuple(sizes)
+    return token_generation_buckets(n_positions, MIN_BUCKET)
 
 
 def context_buckets(

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import bisect
 
+from compile_cache.key import token_generation_buckets
+
 MIN_BUCKET = 128
 
 
 def power_of_two_buckets(n_positions: int, start: int = MIN_BUCKET) -> list[int]:
-    """``[128, 256, ..., n_positions]``; the last bucket is ``n_positions`` itself."""
-    if n_positions <= 0:
-        raise ValueError(f"n_positions must be positive, got {n_positions}")
-    buckets, size = [], start
-    while size < n_positions:
-        buckets.append(size)
-        size *= 2
-    buckets.append(n_positions)
-    return buckets
+    """``[128, 256, ..., n_positions]``; the last bucket is ``n_positions`` itself (tnx's convention,
+    kept in one place: ``compile_cache.key.token_generation_buckets``)."""
+    return list(token_generation_buckets(n_positions, start))
 
 
 def pick_bucket(buckets: list[int], length: int) -> int:
