@@ -61,7 +61,8 @@ def _int_list(text: str | None) -> list[int] | None:
         raise ValueError(f"expected comma-separated integers, got {text!r}") from exc
 
 
-def _human_size(n: int) -> str:
+def human_size(n: int) -> str:
+    """Bytes as a short readable size (also used by ``neuron-lmi compile``)."""
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024:
@@ -155,7 +156,7 @@ def _summary(e: Entry) -> str:
     i = e.inputs
     created = e.manifest.created.strftime("%Y-%m-%d %H:%M")
     shape = f"tp={i.tensor_parallel_degree} bs={i.batch_size} n_pos={i.n_positions} {i.dtype}"
-    return f"{e.key}  {e.namespace:<24} {_human_size(e.size):>10}  {created}  {shape}"
+    return f"{e.key}  {e.namespace:<24} {human_size(e.size):>10}  {created}  {shape}"
 
 
 def _run_list(args: argparse.Namespace) -> int:
@@ -172,7 +173,7 @@ def _run_show(args: argparse.Namespace) -> int:
     inputs = json.dumps(e.inputs.describe(), indent=2, sort_keys=True)
     text = (
         f"key      {e.key}\npath     {e.path}\ncreated  {e.manifest.created.isoformat()}\n"
-        f"size     {_human_size(e.size)}\ntool     {dict(e.manifest.tool)}\n"
+        f"size     {human_size(e.size)}\ntool     {dict(e.manifest.tool)}\n"
         f"files:\n{files}\ninputs:\n{inputs}"
     )
     _emit(args, e.to_json(), text)
@@ -195,7 +196,7 @@ def _run_prune(args: argparse.Namespace) -> int:
     report = _cache(args).prune(older_than=older, max_size=size)
     lines = [f"removed {k}" for k in report.removed] + [f"removed leftover {p}" for p in report.leftovers]
     lines += [f"skipped {k} (in use)" for k in report.skipped_locked]
-    lines.append(f"freed {_human_size(report.freed_bytes)}; {report.kept} entries kept")
+    lines.append(f"freed {human_size(report.freed_bytes)}; {report.kept} entries kept")
     _emit(args, report.to_json(), "\n".join(lines))
     return 0
 

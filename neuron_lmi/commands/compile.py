@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from compile_cache.key import GQA_STRATEGIES, TARGETS
+from neuron_lmi.commands.cache import human_size
 
 CLI_FIELDS = (
     "model_id",
@@ -66,15 +67,6 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
-
-
-def _human_size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
 
 
 def _resolve(args: argparse.Namespace) -> Any:
@@ -200,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         status = "compiled" if result["compiled"] else "cache hit, loaded without compiling"
         print(
             f"key      {entry.key}\npath     {entry.path}\nstatus   {status}\n"
-            f"size     {_human_size(entry.size)} in {len(entry.files)} files ({result['graphs']} graphs)\n"
+            f"size     {human_size(entry.size)} in {len(entry.files)} files ({result['graphs']} graphs)\n"
             f"time     {seconds:.1f}s"
         )
     sys.stdout.flush()
