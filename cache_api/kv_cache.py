@@ -17,6 +17,12 @@ Layout (one tensor for keys, one for values; both contiguous)::
 Positions at or past a row's length hold stale data and are always masked by attention, so freeing
 a row is O(1) bookkeeping and the next insert simply overwrites it. Inserting a prefilled
 sequence touches only its own row: the other rows' cache is never recomputed.
+
+Prefix reuse, two ways: ``copy(src, dst, n)`` duplicates a row's first ``n`` positions into
+another (the source keeps running); a freed row that *retains* its prefix (``remove(row, keep)``)
+is claimed whole by ``allocate(row, keep)``, with no copy at all::
+
+    copy(0, 3, 3):   row 0 [a b c d ..]  ->  row 3 [a b c .. ..]   length 3, row 0 unchanged
 """
 
 from __future__ import annotations
@@ -81,11 +87,11 @@ class KVCache:
     def bytes_per_row(self) -> int:
         return self.nbytes() // self.n_rows
 
-    def allocate(self) -> int:
-        return self.rows.allocate()
+    def allocate(self, row: int | None = None, keep: int = 0) -> int:
+        return self.rows.allocate(row, keep)
 
-    def remove(self, row: int) -> None:
-        self.rows.remove(row)
+    def remove(self, row: int, keep: int = 0) -> None:
+        self.rows.remove(row, keep)
 
     def occupancy(self) -> Occupancy:
         return self.rows.occupancy()

@@ -8,7 +8,8 @@ Typical use::
     entry = CompileCache(remote="s3://bucket/prefix").get_or_compile(inputs, lambda out: compile_into(out))
     load_from(entry.path)
 
-See ``key.py`` (what a key hashes), ``store.py`` (layout, atomicity, locking), ``s3.py`` (remote layout).
+See ``key.py`` (what a key hashes), ``store.py`` (layout, atomicity, locking), ``s3.py`` (remote layout),
+``layers.py`` (a read-only store, such as SageMaker's ``/opt/ml/model``, in front of a writable one).
 """
 
 from compile_cache.errors import (
@@ -30,6 +31,7 @@ from compile_cache.key import (
     normalize_dtype,
     token_generation_buckets,
 )
+from compile_cache.layers import is_writable_dir, open_store, writable_cache_root
 from compile_cache.lock import LockTimeoutError
 from compile_cache.manifest import Manifest, ManifestError, VerifyReport
 from compile_cache.store import CompileCache, Entry, PruneReport, default_cache_root
@@ -56,6 +58,9 @@ __all__ = [
     "context_buckets",
     "default_cache_root",
     "fingerprint_weights",
+    "is_writable_dir",
     "normalize_dtype",
+    "open_store",
     "token_generation_buckets",
+    "writable_cache_root",
 ]

@@ -74,6 +74,10 @@ class CacheKeyInputs:
     ``architecture`` is the model's architecture config (pass ``architecture_config(config_json)``); it is
     stored as a canonical-JSON round trip so that later mutation of the caller's dict cannot change it.
     ``weights_fingerprint`` is set only when the artifact embeds the weights (see ``fingerprint_weights``).
+    ``library_args`` is every argument handed to the compiling library that the fields above do not
+    already name (a ``NeuronConfig``'s keyword arguments, ``from_pretrained`` keywords, the application
+    class): a stale hit must never differ from what would be compiled now. Absent (None) it is left
+    out of the description, so keys written before the field existed keep matching.
     """
 
     architecture: Mapping[str, Any]
@@ -89,6 +93,7 @@ class CacheKeyInputs:
     gqa_strategy: str | None = None
     compiler_flags: tuple[str, ...] = ()
     weights_fingerprint: str | None = None
+    library_args: Mapping[str, Any] | None = None
     format_version: int = field(default=ARTIFACT_FORMAT_VERSION)
 
     def __post_init__(self) -> None:
@@ -99,6 +104,14 @@ class CacheKeyInputs:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"architecture: not JSON-serialisable ({exc})") from exc
         object.__setattr__(self, "architecture", arch)
+        if self.library_args is not None:
+            if not isinstance(self.library_args, Mapping):
+                raise ValueError(f"library_args: expected a dict, got {type(self.library_args).__name__}")
+            try:
+                args = json.loads(canonical_json(dict(self.library_args)))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"library_args: not JSON-serialisable ({exc})") from exc
+            object.__setattr__(self, "library_args", args)
         if self.target not in TARGETS:
             raise ValueError(f"target: expected one of {TARGETS}, got {self.target!r}")
         for name in ("compiler", "compiler_version"):
@@ -138,6 +151,8 @@ class CacheKeyInputs:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "library_args" and value is None:
+                continue
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 

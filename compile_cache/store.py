@@ -14,7 +14,10 @@ Invariants:
   manifest) is never returned: it is logged with its key and files and renamed to ``.corrupt-<ts>``;
 * compiling, pulling, quarantining and pruning a key happen under that key's lock, so concurrent
   processes compile a key once; the others wait (up to ``lock_timeout``) and reuse the result;
-* an entry's folder mtime is its last use (refreshed on each hit); ``prune`` removes least recently used.
+* an entry's folder mtime is its last use (refreshed on each hit); ``prune`` removes least recently used;
+* ``seeds`` are read-only stores (SageMaker mounts ``/opt/ml/model`` read-only) searched before the root:
+  a verified, matching entry there is read in place; nothing (a lock, a use time, a quarantine
+  rename, a compile) is ever written to a seed. ``layers.open_store`` builds such a store.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -97,7 +100,8 @@ class Entry:
 class CompileCache:
     """Local store at ``root`` (default ``default_cache_root()``), mirrored to ``remote`` (``s3://…``).
 
-    ``checksums=False`` makes lookups check sizes only (``verify`` always checks SHA-256).
+    ``checksums=False`` makes lookups check sizes only (``verify`` always checks SHA-256). ``seeds`` are
+    read-only stores looked up first and never written (see the module docstring).
     """
 
     def __init__(
@@ -105,6 +109,7 @@ class CompileCache:
         root: str | os.PathLike[str] | None = None,
         remote: str | None = None,
         *,
+        seeds: Sequence[str | os.PathLike[str]] = (),
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
         checksums: bool = True,
         s3_client: Any | None = None,
@@ -113,6 +118,7 @@ class CompileCache:
         self.remote = S3Remote(remote, client=s3_client) if remote else None
         self.lock_timeout = float(lock_timeout)
         self.checksums = checksums
+        self.seeds = tuple(Path(seed).expanduser() for seed in seeds)
 
     # ---- paths -------------------------------------------------------------------------------------
     def _entry_dirs(self) -> list[Path]:
@@ -146,13 +152,19 @@ class CompileCache:
         log.error("moved damaged entry key=%s aside to %s", report.key, dest)
         return dest
 
+    def _verify(self, inputs: CacheKeyInputs, path: Path) -> tuple[Manifest | None, VerifyReport]:
+        """``verify_dir``, plus: the manifest must be for exactly these inputs."""
+        key = inputs.key()
+        manifest, report = verify_dir(key, path, self.checksums)
+        if manifest is not None and manifest.inputs != inputs:
+            report = VerifyReport(key, path, manifest_error="manifest inputs differ from the requested ones")
+        return manifest, report
+
     def _lookup(self, inputs: CacheKeyInputs, locked: bool) -> tuple[Entry | None, VerifyReport | None]:
         key, path = inputs.key(), self.root / inputs.namespace / inputs.key()
         if not path.is_dir():
             return None, None
-        manifest, report = verify_dir(key, path, self.checksums)
-        if manifest is not None and manifest.inputs != inputs:
-            report = VerifyReport(key, path, manifest_error="manifest inputs differ from the requested ones")
+        manifest, report = self._verify(inputs, path)
         if report.ok and manifest is not None:
             with contextlib.suppress(OSError):  # a read-only cache simply keeps the creation time
                 os.utime(path)  # last use, for prune
@@ -164,9 +176,27 @@ class CompileCache:
         self._quarantine(path, report)
         return None, report
 
+    def _seed_lookup(self, inputs: CacheKeyInputs) -> tuple[Entry | None, VerifyReport | None]:
+        """A verified entry for ``inputs`` in a read-only seed, used in place; damage is only logged."""
+        key, damage = inputs.key(), None
+        for seed in self.seeds:
+            path = seed / inputs.namespace / key
+            if not path.is_dir():
+                continue
+            manifest, report = self._verify(inputs, path)
+            if report.ok and manifest is not None:
+                log.info("compile cache hit key=%s path=%s (read-only seed)", key, path)
+                return Entry(key, path, manifest), None
+            problems = "; ".join(report.problems)
+            log.error("damaged read-only cache entry key=%s at %s: %s; left in place", key, path, problems)
+            damage = damage or report
+        return None, damage
+
     def lookup(self, inputs: CacheKeyInputs) -> Entry | None:
-        """The verified local entry for ``inputs``, or None (a damaged one is moved aside first)."""
-        entry, _ = self._lookup(inputs, locked=False)
+        """The verified entry for ``inputs`` (seeds first), or None (a damaged local one is moved aside)."""
+        entry, _ = self._seed_lookup(inputs)
+        if entry is None:
+            entry, _ = self._lookup(inputs, locked=False)
         if entry is None:
             log.info("compile cache miss key=%s", inputs.key())
         return entry
@@ -244,19 +274,23 @@ class CompileCache:
     def get_or_compile(
         self, inputs: CacheKeyInputs, compile_fn: Callable[[Path], None], no_compile: bool = False
     ) -> Entry:
-        """The verified entry for ``inputs``: local hit, else pulled from the remote, else compiled.
+        """The verified entry for ``inputs``: a seed's or a local hit, else pulled from the remote, else
+        compiled into the root.
 
         ``compile_fn(dir)`` writes the artifacts into an empty staging folder; it runs at most once per
         key across processes sharing ``root``. With ``no_compile=True`` a miss raises ``CacheMissError``
         (``CorruptEntryError`` if the local entry was damaged). A new entry is pushed to the remote.
         """
         key, namespace = inputs.key(), inputs.namespace
+        entry, seed_damage = self._seed_lookup(inputs)
+        if entry is not None:
+            return entry
         entry, damage = self._lookup(inputs, locked=False)
         if entry is not None:
             return entry
         with key_lock(self._lock_path(namespace, key), self.lock_timeout):
             entry, again = self._lookup(inputs, locked=True)  # another process may have just finished
-            damage = again or damage
+            damage = again or damage or seed_damage
             if entry is None and self.remote is not None:
                 try:
                     entry = self._pull_locked(namespace, key)
@@ -266,9 +300,10 @@ class CompileCache:
                 return entry
             if no_compile:
                 if damage is not None:
+                    fate = "left in place" if damage is seed_damage else "moved aside"
                     raise CorruptEntryError(
-                        f"cache entry {key} was damaged ({'; '.join(damage.problems)}) and moved aside; "
-                        "not recompiling because no_compile=True"
+                        f"cache entry {key} at {damage.path} was damaged ({'; '.join(damage.problems)}) "
+                        f"and {fate}; not recompiling because no_compile=True"
                     )
                 where = f"{self.root}" + (f" or {self.remote.url}" if self.remote else "")
                 raise CacheMissError(f"no compiled artifacts for key {key} in {where} and no_compile=True")

@@ -1,23 +1,30 @@
 """``VllmEngine``: vLLM's asynchronous engine (``AsyncLLM``) behind neuron-lmi's ``Engine`` protocol.
 
-The module imports no vLLM at import time: ``VllmBackend`` does, when an engine starts. Tests in
-the main environment give ``VllmEngine`` a stand-in backend to check admission, abort-on-close and
-the stats without vLLM.
+The module imports no vLLM at import time: ``VllmBackend`` does, when an engine starts, after
+setting the spawn start method (vLLM would otherwise fork its engine core). Nothing here calls
+``torch.cuda``: GPUs are counted through NVML, so this process never initialises CUDA. The engine is
+built as vLLM's OpenAI server builds it (``UsageContext.OPENAI_API_SERVER``), non-streaming
+requests ask for the final output only, and the model's generation_config.json defaults fill what a
+request leaves unset. Tests in the main environment give ``VllmEngine`` a stand-in backend to check
+admission, abort-on-close and the stats without vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
+import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpu_fallback.config import VllmEngineConfig, engine_args_kwargs, load_chat_template
-from gpu_fallback.mapping import delta_to_events, sampling_kwargs
+from gpu_fallback.config import VllmEngineConfig, engine_args_kwargs, load_chat_template, use_spawn
+from gpu_fallback.mapping import delta_to_events, prompt_tokens, refusal, sampling_kwargs
 from neuron_lmi.engine.types import (
     EngineDeadError,
     EngineOverloadedError,
@@ -46,33 +53,71 @@ class _Live:
 
 
 class VllmBackend:
-    """Everything that touches vLLM itself: build the engine, make sampling params, name its errors."""
+    """Everything that touches vLLM itself: build the engine, make sampling params, name its errors.
+
+    ``client_errors`` are what vLLM raises for a request it refuses (``VLLMClientError``, and the
+    ``ValueError``/``TypeError`` of ``SamplingParams``), mapped to 4xx as vLLM's server does.
+    """
 
     def __init__(self) -> None:
+        use_spawn(os.environ)  # before vLLM's first import: its engine core must not be forked
         from vllm import SamplingParams as VllmSamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.exceptions import GracefulHTTPError, VLLMClientError
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
 
         self._sampling_cls = VllmSamplingParams
-        self._delta = RequestOutputKind.DELTA
+        self._structured_cls = StructuredOutputsParams
+        self._kinds = {True: RequestOutputKind.DELTA, False: RequestOutputKind.FINAL_ONLY}
         self.dead_errors: tuple[type[BaseException], ...] = (VllmDeadError,)
+        self.client_errors: tuple[type[BaseException], ...] = (
+            VLLMClientError,
+            GracefulHTTPError,
+            ValueError,
+            TypeError,
+        )
 
     def create(self, kwargs: dict[str, Any], snapshot: SchedulerSnapshot) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # The OpenAI server's context: it sizes the prefill budget per step as `vllm serve` does.
         return AsyncLLM.from_engine_args(
-            AsyncEngineArgs(**kwargs), stat_loggers=[_stat_logger_class(snapshot)]
+            AsyncEngineArgs(**kwargs),
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            stat_loggers=[_stat_logger_class(snapshot)],
         )
 
-    def sampling_params(self, kwargs: dict[str, Any]) -> Any:
-        return self._sampling_cls(**kwargs, output_kind=self._delta)
+    def sampling_params(self, kwargs: dict[str, Any], stream: bool = True) -> Any:
+        structured = kwargs.get("structured_outputs")
+        if structured is not None:  # mapping gives its keyword arguments
+            kwargs = {**kwargs, "structured_outputs": self._structured_cls(**structured)}
+        return self._sampling_cls(**kwargs, output_kind=self._kinds[stream])
 
     @staticmethod
     def device_count() -> int:
-        import torch
+        """Visible CUDA GPUs, counted without initialising CUDA (NVML, ``CUDA_VISIBLE_DEVICES``)."""
+        from neuron_lmi.backends.dispatch import cuda_device_count
 
-        return torch.cuda.device_count() if torch.cuda.is_available() else 1
+        return cuda_device_count(os.environ)[0]
+
+
+class VllmMetricsCollector:
+    """vLLM's own Prometheus series (``vllm:*``, from its stat logger) at each scrape, so /metrics
+    shows them beside ours. Reads nothing until vLLM is imported (an engine was built)."""
+
+    def describe(self) -> Iterable[Any]:
+        return ()
+
+    def collect(self) -> Iterable[Any]:
+        if "vllm" not in sys.modules:
+            return
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        for metric in get_prometheus_registry().collect():
+            if metric.name.startswith("vllm:"):
+                yield metric
 
 
 def _stat_logger_class(snapshot: SchedulerSnapshot) -> type:
@@ -118,6 +163,8 @@ class VllmEngine:
         self._active: dict[str, _Live] = {}
         self._snapshot = SchedulerSnapshot()
         self._stopping = False
+        # The model's sampling defaults (generation_config.json), read from vLLM once it started.
+        self.sampling_defaults: dict[str, Any] = {}
 
     @property
     def tokenizer(self) -> Any:
@@ -163,7 +210,12 @@ class VllmEngine:
         # AsyncLLM must be built on the event loop's thread (its ZMQ client binds to the loop).
         self._llm = backend.create(kwargs, self._snapshot)
         log.info("vLLM engine ready in %.1f s", time.monotonic() - started)
-        self.n_positions = int(self._llm.model_config.max_model_len)
+        model_config = self._llm.model_config
+        self.n_positions = int(model_config.max_model_len)
+        diff = getattr(model_config, "get_diff_sampling_param", None)
+        self.sampling_defaults = dict(diff()) if diff is not None else {}
+        if self.sampling_defaults:
+            log.info("model sampling defaults for unset request fields: %s", self.sampling_defaults)
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Refuse new requests, let open ones finish for ``grace_s``, abort the rest, shut vLLM down."""
@@ -223,10 +275,21 @@ class VllmEngine:
         """Validate and admit now (``InvalidRequestError``, ``EngineOverloadedError``); stream later."""
         rid = request_id or uuid.uuid4().hex
         ids = self._admit(prompt, params, rid)
-        vparams = self._backend.sampling_params(sampling_kwargs(params))
-        return self._stream(rid, ids, vparams, params.top_n_tokens)
+        try:
+            vparams = self._backend.sampling_params(
+                sampling_kwargs(params, self.sampling_defaults), params.stream
+            )
+        except self._backend.client_errors as exc:  # vLLM's own limits (temperature <= 2, ...)
+            raise refusal(exc) from exc
+        return self._stream(rid, ids, vparams, params.top_n_tokens, params.prompt_logprobs)
 
-    async def _stream(self, rid: str, ids: list[int], vparams: Any, top_n: int) -> AsyncIterator[TokenEvent]:
+    def prometheus_collectors(self) -> list[VllmMetricsCollector]:
+        """Collectors the server registers beside its own metrics."""
+        return [VllmMetricsCollector()]
+
+    async def _stream(
+        self, rid: str, ids: list[int], vparams: Any, top_n: int, prompt_top_n: int | None = None
+    ) -> AsyncIterator[TokenEvent]:
         # Registered here, not in generate(): a stream that is never iterated never runs its
         # finally, and must not hold a row in the stats.
         live = self._active[rid] = _Live(prompt_tokens=len(ids))
@@ -243,12 +306,21 @@ class VllmEngine:
                     self._special_ids,
                     self._decode_one,
                 )
+                if prompt_top_n is not None and events and live.generated == 0:  # the scored prompt
+                    scored = prompt_tokens(ids, out.prompt_logprobs, prompt_top_n, self._decode_one)
+                    events[0] = dataclasses.replace(events[0], prompt=scored)
                 live.generated += sum(1 for e in events if e.token_id >= 0)
                 for event in events:
                     finished = finished or event.finish_reason is not None
                     yield event
         except self._backend.dead_errors as exc:
             raise EngineDeadError(f"the vLLM engine died: {exc!r}") from exc
+        except self._backend.client_errors as exc:
+            if live.generated:
+                raise
+            # Refused when added (a prompt vLLM will not take): nothing runs, nothing to abort.
+            finished = True
+            raise refusal(exc) from exc
         finally:
             self._active.pop(rid, None)
             # Closing vLLM's generator early aborts the request there (its GeneratorExit path);

@@ -6,24 +6,52 @@ stop_reason``, ``Logprob.logprob/rank/decoded_token``), so tests pass simple sta
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from neuron_lmi.engine.types import FinishReason, SamplingParams, TokenEvent, TopToken
+from neuron_lmi.engine.types import (
+    EngineOverloadedError,
+    FinishReason,
+    GrammarKind,
+    GrammarSpec,
+    InvalidRequestError,
+    PromptToken,
+    SamplingParams,
+    TokenEvent,
+    TopToken,
+)
 
 # A request whose stream ends without a token (aborted inside vLLM) still gets a last event.
 NO_TOKEN_ID = -1
+# Sampling fields a model's generation_config.json may default (vLLM's get_diff_sampling_param).
+DEFAULTABLE = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+# vLLM's parameter names -> the engine's (the server then names them in each API's words).
+VLLM_FIELDS = {"max_tokens": "max_new_tokens", "logprobs": "top_n_tokens", "prompt": "inputs"}
+_LEADING_NAME = re.compile(r"^([a-z_]+) must\b")
+_PROMPT = re.compile(r"\bprompt\b", re.IGNORECASE)
 
 
-def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.SamplingParams`` (the caller adds ``output_kind=DELTA``).
+def sampling_kwargs(params: SamplingParams, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.SamplingParams`` (the caller adds ``output_kind``).
 
     ``logprobs`` is requested (at least 0: the sampled token alone) unless the caller said it does
-    not read them (``params.logprobs`` False, as for OpenAI requests without ``logprobs``): computing
-    them costs vLLM throughput. ``top_n_tokens`` adds that many alternatives.
-    Stop strings are cut from the text, as LMI and TGI do.
+    not read them (``params.logprobs`` False, as for OpenAI requests without ``logprobs`` and LMI/TGI
+    requests without ``details``/``top_n_tokens``): computing them costs vLLM throughput.
+    ``top_n_tokens`` adds that many alternatives. Stop strings are cut from the text, as LMI and
+    TGI do. ``defaults`` (the model's generation_config.json, as vLLM's server reads it) fill the
+    fields the request left unset (``params.unset``), as vLLM's server does: request, then model,
+    then the neutral value.
     """
-    return {
+    kwargs = {
         "n": 1,
         "max_tokens": params.max_new_tokens,
         "temperature": params.temperature,
@@ -37,6 +65,84 @@ def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
         "include_stop_str_in_output": False,
         "skip_special_tokens": True,
     }
+    kwargs.update(_non_neutral(params))
+    for name in DEFAULTABLE:
+        if name in params.unset and defaults and defaults.get(name) is not None:
+            kwargs[name] = defaults[name]
+    return kwargs
+
+
+def _non_neutral(params: SamplingParams) -> dict[str, Any]:
+    """The fields beyond the basics, only where they ask for something (neutral ones are left to
+    vLLM's defaults and the model's generation_config.json)."""
+    extras: dict[str, Any] = {
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "min_p": params.min_p,
+        "min_tokens": params.min_tokens,
+        "logit_bias": dict(params.logit_bias),
+        "structured_outputs": structured_outputs(params.grammar),
+    }
+    out = {name: value for name, value in extras.items() if value}
+    if params.prompt_logprobs is not None:  # 0 asks for the prompt tokens' own log-probabilities
+        out["prompt_logprobs"] = params.prompt_logprobs
+    return out
+
+
+def structured_outputs(grammar: GrammarSpec | None) -> dict[str, Any] | None:
+    """Keyword arguments for vLLM's ``StructuredOutputsParams`` (the backend builds it). JSON is
+    compact, as on the CPU engine (``disable_any_whitespace``)."""
+    if grammar is None:
+        return None
+    if grammar.kind is GrammarKind.JSON_SCHEMA:
+        return {"json": grammar.schema(), "disable_any_whitespace": True}
+    if grammar.kind is GrammarKind.JSON_OBJECT:
+        return {"json_object": True, "disable_any_whitespace": True}
+    if grammar.kind is GrammarKind.REGEX:
+        return {"regex": grammar.value}
+    return {"grammar": grammar.value}
+
+
+def prompt_tokens(
+    ids: Sequence[int],
+    prompt_logprobs: Sequence[Mapping[int, Any] | None] | None,
+    top_n: int,
+    decode_token: Callable[[int], str],
+) -> tuple[PromptToken, ...] | None:
+    """vLLM's ``RequestOutput.prompt_logprobs`` (None first, then {token id: Logprob} per position)
+    as the engine's scored prompt."""
+    if prompt_logprobs is None:
+        return None
+    out = []
+    for i, tid in enumerate(ids):
+        position = prompt_logprobs[i] if i < len(prompt_logprobs) else None
+        chosen = position.get(tid) if position else None
+        text = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else None
+        out.append(
+            PromptToken(
+                int(tid),
+                text if text is not None else decode_token(int(tid)),
+                float(chosen.logprob) if chosen is not None else None,
+                top_tokens(position, top_n),
+            )
+        )
+    return tuple(out)
+
+
+def refusal(exc: BaseException) -> InvalidRequestError | EngineOverloadedError:
+    """A vLLM client error (``VLLMValidationError``, a ``ValueError`` from ``SamplingParams``, a
+    ``GracefulHTTPError``) as the engine boundary's exception, naming the field when vLLM does
+    (``parameter``), when its message starts with one (``repetition_penalty must be ...``), or
+    ``inputs`` for a prompt vLLM refuses (too long, empty)."""
+    message = str(exc.args[0]) if exc.args else str(exc)
+    status = getattr(exc, "http_status", None)
+    if status is not None and int(status) in (429, 503):
+        return EngineOverloadedError(message)
+    field = getattr(exc, "parameter", None)
+    if field is None:
+        match = _LEADING_NAME.match(message)
+        field = match.group(1) if match else ("inputs" if _PROMPT.search(message) else None)
+    return InvalidRequestError(message, VLLM_FIELDS.get(field, field) if field else None)
 
 
 def map_finish_reason(reason: str | None, stop_reason: int | str | None) -> FinishReason | None:

@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "plan",
     "bench",
     "package",
+    "deploy",
 )
 
 

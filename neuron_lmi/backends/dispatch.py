@@ -1,30 +1,77 @@
-"""Pick the backend that serves a model on this host: ``neuron``, ``vllm`` or ``cpu``.
+"""Pick the backend that serves a model on this host, and the tensor-parallel degree it runs at.
+
+Backends (the names the builder registry is keyed by, ``neuron_lmi.backends.registry``)::
+
+    cpu          the torch reference engine
+    neuron-nxdi  NxD Inference (neuronx-distributed-inference), Neuron SDK 2.21 and later
+    neuron-tnx   transformers-neuronx, for hosts on Neuron SDK <= 2.25 (end of support in 2.26)
+    vllm         vLLM on CUDA (or a CPU build of vLLM, when asked for)
+    vllm-neuron  vLLM with the vllm-neuron platform plugin (NxD Inference underneath)
 
 The decision is a pure function of what was asked for and what the host has, so it is tested with
 hand-made probes; only ``probe_host`` looks at the real machine, and it never raises.
 
-    auto   -> neuron  when Neuron devices are present and the Neuron library imports
-           -> vllm    when CUDA is available and vLLM imports
-           -> cpu     otherwise (the torch reference engine)
-    forced -> that backend, or ``BackendUnavailableError`` naming what is missing
+    requested  host                            -> backend
+    auto       Neuron devices                  -> neuron (below)
+               CUDA GPUs and vLLM installed    -> vllm
+               otherwise                       -> cpu
+    neuron     Neuron devices; option.model_loader picks the library: nxdi | tnx | vllm
+               (vllm -> vllm-neuron); unset -> NxD Inference when it imports, else
+               transformers-neuronx; neither -> BackendUnavailableError naming both packages
+    vllm       Neuron devices -> vllm-neuron (never the CUDA path); else CUDA or vLLM's CPU build
+    cpu        cpu
 
-LMI's selectors reach the same function through ``requested_from_lmi``: ``option.rolling_batch``
-(``vllm``/``lmi-dist`` -> vllm, ``tnx`` -> neuron, ``auto``/``disable``/``scheduler`` -> auto) and
-``engine`` (``Python``/``MPI`` choose LMI's process model, not the backend, so they only validate).
+``neuron_lmi.backends.host`` looks at the machine (``probe_host``) without initialising CUDA.
+
+LMI's selectors reach ``choose_backend`` through ``requested_from_lmi``: ``option.rolling_batch``
+(``vllm``/``lmi-dist`` -> vllm, ``tnx``/``neuronx`` -> neuron, ``auto``/``disable``/``scheduler`` ->
+auto) and ``engine`` (``Python``/``MPI`` choose LMI's process model, not the backend: validated only).
 """
 
 from __future__ import annotations
 
-import glob
-import importlib
-import importlib.util
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from neuron_lmi.backends.host import (
+    NEURON_LIBRARIES,
+    NXDI,
+    TNX,
+    VLLM_NEURON,
+    BackendProbe,
+    cuda_device_count,
+    parse_core_list,
+    probe_host,
+    visible_gpu_count,
+    visible_neuron_cores,
+)
+
+__all__ = [
+    "BACKEND_NAMES",
+    "NEURON_LIBRARIES",
+    "BackendChoice",
+    "BackendProbe",
+    "BackendUnavailableError",
+    "choose_backend",
+    "cuda_device_count",
+    "parse_core_list",
+    "probe_host",
+    "requested_from_lmi",
+    "resolve_tp_degree",
+    "visible_gpu_count",
+    "visible_neuron_cores",
+]
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "cpu", "neuron", "vllm")
-NEURON_LIBRARIES = ("transformers_neuronx", "neuronx_distributed_inference")
+REQUESTS = ("auto", "cpu", "neuron", "vllm")
+BACKENDS = REQUESTS  # what --backend accepts (kept under its old name)
+BACKEND_NAMES = ("cpu", "neuron-nxdi", "neuron-tnx", "vllm", "vllm-neuron")
+NEURON_BACKENDS = ("neuron-nxdi", "neuron-tnx", "vllm-neuron")
+MODEL_LOADERS = ("nxdi", "tnx", "vllm")
+NEURON_PIP_REPOSITORY = "https://pip.repos.neuron.amazonaws.com"
+
 
 # option.rolling_batch value -> requested backend. "disable" keeps continuous batching on (it is
 # the only mode this project has) and lets the host decide; TensorRT-LLM has no equivalent here.
@@ -39,52 +86,82 @@ ROLLING_BATCH_TO_BACKEND = {
 }
 LMI_ENGINES = ("python", "mpi")
 
+NO_NEURON_LIBRARY = (
+    "neither Neuron library imports: neuronx-distributed-inference (NxD Inference, Neuron SDK 2.21 "
+    "and later) nor transformers-neuronx (Neuron SDK <= 2.25). Both come from AWS's Neuron pip "
+    f"repository, not PyPI: pip install --extra-index-url {NEURON_PIP_REPOSITORY} "
+    "neuronx-distributed-inference (or use a Neuron Deep Learning AMI or container, which has it)"
+)
+
 
 class BackendUnavailableError(RuntimeError):
-    """A forced backend cannot run on this host; the message names what is missing."""
-
-
-@dataclass(frozen=True, slots=True)
-class BackendProbe:
-    """What the host offers. ``vllm_platform`` is vLLM's device type ("cuda", "cpu", ...) when it imports."""
-
-    neuron_devices_present: bool = False
-    neuron_library_importable: bool = False
-    cuda_available: bool = False
-    vllm_importable: bool = False
-    vllm_platform: str | None = None
-    notes: tuple[str, ...] = field(default=())
-
-    def describe(self) -> str:
-        parts = [
-            f"neuron devices {'present' if self.neuron_devices_present else 'absent'}",
-            f"neuron library {'importable' if self.neuron_library_importable else 'not importable'}",
-            f"CUDA {'available' if self.cuda_available else 'unavailable'}",
-            "vLLM "
-            + (
-                f"importable (platform {self.vllm_platform or 'unknown'})"
-                if self.vllm_importable
-                else "not importable"
-            ),
-        ]
-        return "; ".join(parts + list(self.notes))
+    """A requested backend cannot run on this host; the message names what is missing."""
 
 
 @dataclass(frozen=True, slots=True)
 class BackendChoice:
-    """The backend to build and a one-line reason for the start-up log."""
+    """The backend to build, the library behind it and its version, and why (for the start-up log)."""
 
     name: str
     reason: str
+    library: str | None = None
+    version: str | None = None
+
+    def summary(self) -> str:
+        lib = f" on {self.library} {self.version or ''}".rstrip() if self.library else ""
+        return f"backend {self.name}{lib}: {self.reason}"
 
 
-def _neuron_missing(probe: BackendProbe) -> list[str]:
+def _neuron_choice(probe: BackendProbe, model_loader: str | None, why: str) -> BackendChoice:
+    """A Neuron host: the library named by ``option.model_loader``, else NxD Inference, else tnx."""
+    found = probe.describe()
+    if model_loader == "vllm":
+        return _vllm_neuron_choice(probe, f"{why}, option.model_loader=vllm")
+    if model_loader == "nxdi" or (model_loader is None and probe.nxdi_version):
+        if not probe.nxdi_version:
+            raise BackendUnavailableError(
+                f"backend 'neuron-nxdi' (option.model_loader=nxdi) cannot run here: {NXDI.distribution} "
+                f"does not import; install it from AWS's Neuron pip repository ({NEURON_PIP_REPOSITORY}); "
+                f"host: {found}"
+            )
+        because = "option.model_loader=nxdi" if model_loader else "NxD Inference imports"
+        reason = f"{why}, {because}; host: {found}"
+        return BackendChoice("neuron-nxdi", reason, NXDI.distribution, probe.nxdi_version)
+    if model_loader == "tnx" or probe.tnx_version:
+        if not probe.tnx_version:
+            raise BackendUnavailableError(
+                f"backend 'neuron-tnx' (option.model_loader=tnx) cannot run here: {TNX.distribution} "
+                f"does not import (it ships with Neuron SDK <= 2.25, from {NEURON_PIP_REPOSITORY}); "
+                f"host: {found}"
+            )
+        because = (
+            "option.model_loader=tnx"
+            if model_loader
+            else "transformers-neuronx imports and NxD Inference does not (Neuron SDK <= 2.25)"
+        )
+        reason = f"{why}, {because}; host: {found}"
+        return BackendChoice("neuron-tnx", reason, TNX.distribution, probe.tnx_version)
+    raise BackendUnavailableError(
+        f"this host has {probe.neuron_devices} Neuron devices but {NO_NEURON_LIBRARY}; host: {found}"
+    )
+
+
+def _vllm_neuron_choice(probe: BackendProbe, why: str) -> BackendChoice:
     missing = []
-    if not probe.neuron_devices_present:
-        missing.append("no Neuron devices (/dev/neuron*)")
-    if not probe.neuron_library_importable:
-        missing.append(f"no importable Neuron library ({' or '.join(NEURON_LIBRARIES)})")
-    return missing
+    if not probe.vllm_importable:
+        missing.append("vLLM is not installed")
+    if not probe.vllm_neuron_version:
+        missing.append(f"{VLLM_NEURON.distribution} does not import (github.com/vllm-project/vllm-neuron)")
+    if not probe.nxdi_version:
+        missing.append(f"{NXDI.distribution} does not import (vllm-neuron runs on NxD Inference)")
+    if missing:
+        raise BackendUnavailableError(
+            f"backend 'vllm-neuron' cannot run here: {'; '.join(missing)}; install them with "
+            f"pip install --extra-index-url {NEURON_PIP_REPOSITORY} (see vllm-neuron's README); "
+            f"host: {probe.describe()}"
+        )
+    reason = f"{why}; host: {probe.describe()}"
+    return BackendChoice("vllm-neuron", reason, VLLM_NEURON.distribution, probe.vllm_neuron_version)
 
 
 def _vllm_missing(probe: BackendProbe) -> list[str]:
@@ -95,29 +172,43 @@ def _vllm_missing(probe: BackendProbe) -> list[str]:
     return [f"no CUDA device, and this vLLM build targets {probe.vllm_platform or 'an unknown platform'}"]
 
 
-def choose_backend(requested: str, probe: BackendProbe) -> BackendChoice:
-    """The backend for ``requested`` (auto|cpu|neuron|vllm) on a host described by ``probe``."""
+def choose_backend(requested: str, probe: BackendProbe, model_loader: str | None = None) -> BackendChoice:
+    """The backend for ``requested`` (auto|cpu|neuron|vllm) and LMI's ``option.model_loader``
+    (nxdi|tnx|vllm|None) on a host described by ``probe``. Raises ``BackendUnavailableError``."""
     req = (requested or "auto").strip().lower()
-    if req not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    if req not in REQUESTS:
+        raise ValueError(f"backend must be one of {', '.join(REQUESTS)}, got {requested!r}")
+    loader = model_loader.strip().lower() if model_loader else None
+    if loader is not None and loader not in MODEL_LOADERS:
+        choices = ", ".join(MODEL_LOADERS)
+        raise ValueError(f"option.model_loader must be one of {choices}, got {model_loader!r}")
     found = probe.describe()
     if req == "cpu":
         return BackendChoice("cpu", f"forced by request; host: {found}")
-    if req == "neuron":
-        missing = _neuron_missing(probe)
-        if missing:
-            raise BackendUnavailableError(f"backend 'neuron' cannot run here: {'; '.join(missing)}")
-        return BackendChoice("neuron", f"forced by request; host: {found}")
+    if req == "vllm" and probe.neuron_devices_present:
+        if loader == "tnx":
+            raise ValueError(
+                "option.rolling_batch=vllm with option.model_loader=tnx: vLLM on Neuron runs on NxD "
+                "Inference only (the vllm-neuron plugin); drop model_loader or set it to nxdi"
+            )
+        return _vllm_neuron_choice(probe, "forced vllm on a Neuron host: vLLM with the vllm-neuron plugin")
     if req == "vllm":
         missing = _vllm_missing(probe)
         if missing:
             raise BackendUnavailableError(f"backend 'vllm' cannot run here: {'; '.join(missing)}")
-        return BackendChoice("vllm", f"forced by request; host: {found}")
-    if not _neuron_missing(probe):
-        return BackendChoice("neuron", f"auto: Neuron devices and library found; host: {found}")
+        return BackendChoice("vllm", f"forced by request; host: {found}", "vllm")
+    if req == "neuron":
+        if not probe.neuron_devices_present:
+            raise BackendUnavailableError(
+                f"backend 'neuron' cannot run here: no Neuron devices (/dev/neuron*); host: {found}"
+            )
+        return _neuron_choice(probe, loader, "forced neuron")
+    if probe.neuron_devices_present:
+        return _neuron_choice(probe, loader, "auto: Neuron devices found")
+    note = f" (option.model_loader={loader} ignored: no Neuron devices)" if loader else ""
     if probe.cuda_available and probe.vllm_importable:
-        return BackendChoice("vllm", f"auto: CUDA available and vLLM imports; host: {found}")
-    return BackendChoice("cpu", f"auto: neither Neuron nor CUDA+vLLM usable; host: {found}")
+        return BackendChoice("vllm", f"auto: CUDA GPUs and vLLM found{note}; host: {found}", "vllm")
+    return BackendChoice("cpu", f"auto: neither Neuron nor CUDA+vLLM usable{note}; host: {found}")
 
 
 def requested_from_lmi(
@@ -140,8 +231,8 @@ def requested_from_lmi(
             )
         from_rb = ROLLING_BATCH_TO_BACKEND[key]
     req = (backend or "auto").strip().lower()
-    if req not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if req not in REQUESTS:
+        raise ValueError(f"backend must be one of {', '.join(REQUESTS)}, got {backend!r}")
     if req != "auto" and from_rb != "auto" and req != from_rb:
         raise ValueError(
             f"--backend {req} conflicts with option.rolling_batch={rolling_batch} (which selects {from_rb})"
@@ -149,54 +240,41 @@ def requested_from_lmi(
     return req if req != "auto" else from_rb
 
 
-def _safe(check, default, notes: list[str], what: str):
-    try:
-        return check()
-    except Exception as exc:  # a probe must never stop start-up; say what failed instead
-        notes.append(f"{what} check failed: {type(exc).__name__}: {exc}")
-        return default
+# -- tensor_parallel_degree=max ------------------------------------------------------------------
 
 
-def _neuron_library_importable() -> bool:
-    for name in NEURON_LIBRARIES:
-        if importlib.util.find_spec(name) is not None:
-            importlib.import_module(name)
-            return True
-    return False
+def resolve_tp_degree(
+    tensor_parallel_degree: int | str,
+    backend: str,
+    probe: BackendProbe,
+    env: Mapping[str, str],
+    logical_nc_config: int | None = None,
+) -> tuple[int, str]:
+    """The degree to run at and how it was found; ``max`` means every visible NeuronCore on the
+    Neuron backends, every visible GPU on vLLM, and 1 on the CPU engine."""
+    if tensor_parallel_degree != "max":
+        return int(tensor_parallel_degree), "configured"
+    if backend in NEURON_BACKENDS:
+        lnc = logical_nc_config or _positive_int(env.get("NEURON_LOGICAL_NC_CONFIG"))
+        cores = visible_neuron_cores(
+            env.get("NEURON_RT_VISIBLE_CORES"),
+            probe.neuron_devices,
+            probe.neuron_cores_per_device,
+            lnc,
+            env.get("NEURON_RT_NUM_CORES"),
+        )
+        if cores < 1:
+            raise BackendUnavailableError("tensor_parallel_degree=max: no NeuronCores are visible")
+        where = (
+            f"NEURON_RT_VISIBLE_CORES={env['NEURON_RT_VISIBLE_CORES']}"
+            if env.get("NEURON_RT_VISIBLE_CORES", "").strip()
+            else f"{probe.neuron_devices} devices x {probe.neuron_cores_per_device} cores"
+        )
+        return cores, f"max: visible NeuronCores ({where})"
+    if backend == "vllm":
+        return max(1, probe.cuda_devices), f"max: {probe.cuda_devices} visible CUDA GPUs"
+    return 1, "max: the CPU engine runs one rank"
 
 
-def _cuda_available() -> bool:
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-def _vllm_platform() -> str:
-    vllm = importlib.import_module("vllm")
-    del vllm
-    from vllm.platforms import current_platform
-
-    return str(current_platform.device_type)
-
-
-def probe_host(requested: str = "auto", dev_glob: str = "/dev/neuron*") -> BackendProbe:
-    """Look at this host. vLLM is imported (seconds) only when it could be chosen: CUDA or forced."""
-    notes: list[str] = []
-    devices = bool(glob.glob(dev_glob))
-    neuron_lib = devices and _safe(_neuron_library_importable, False, notes, "Neuron library")
-    if not devices:
-        notes.append("Neuron library not checked (no devices)")
-    cuda = _safe(_cuda_available, False, notes, "CUDA")
-    vllm_ok, platform = False, None
-    if importlib.util.find_spec("vllm") is None:
-        pass
-    elif cuda or requested.strip().lower() == "vllm":
-        platform = _safe(_vllm_platform, None, notes, "vLLM import")
-        vllm_ok = platform is not None
-    else:
-        notes.append("vLLM installed but not imported (no CUDA)")
-    probe = BackendProbe(devices, bool(neuron_lib), cuda, vllm_ok, platform, tuple(notes))
-    log.debug("host probe: %s", probe.describe())
-    return probe
+def _positive_int(value: str | None) -> int | None:
+    return int(value) if value and value.strip().isdigit() and int(value) > 0 else None

@@ -170,26 +170,41 @@ class NeuronRunner:
 
 
 def compile_spec_from_config(
-    config: ServingConfig, model_path: str, tp_degree: int | None = None
+    config: ServingConfig,
+    model_path: str,
+    tp_degree: int | None = None,
+    model_config: Mapping[str, Any] | None = None,
 ) -> NeuronCompileSpec:
-    """``NeuronCompileSpec`` from a ``ServingConfig``: LMI's names, the rolling batch size as the
-    compiled batch (continuous batching needs ``max_num_seqs == batch_size``).  ``tp_degree``
-    resolves ``tensor_parallel_degree=max`` (the caller counts the visible NeuronCores)."""
+    """The one ``NeuronCompileSpec`` for a ``ServingConfig``, used by ``serve`` and by
+    ``neuron-lmi compile --target neuron`` alike, so both compute the same cache key.
+
+    LMI's names map one to one (dtype, context_length_estimate, group_query_attention, fuse_qkv,
+    quantize, neuron_optimize_level, enable_saturate_infinity, enable_mixed_precision_accumulation,
+    compiled_graph_path); the rolling batch size is the compiled batch (continuous batching needs
+    ``batch_size_for_shared_caches == batch_size``); ``n_positions`` unset is LMI's default
+    ``min(max_position_embeddings, 4096)``; the attention geometry comes from ``config.json``
+    (``model_config``, read from ``model_path`` when not given; weights are not needed).
+    ``tp_degree`` resolves ``tensor_parallel_degree=max`` (the caller counts the visible NeuronCores).
+    """
+    from neuron_lmi.config import default_n_positions
+
     parallel, batching, neuron = config.parallel, config.batching, config.neuron
     tp = parallel.tensor_parallel_degree
     if tp == "max":
         if tp_degree is None:
             raise ValueError("tensor_parallel_degree=max needs the number of visible NeuronCores")
         tp = tp_degree
-    if batching.n_positions is None:
-        raise ValueError(
-            "n_positions is not set; apply the model defaults (config.apply_model_defaults) first"
-        )
+    hf = dict(model_config) if model_config is not None else read_model_config(model_path)
+    n_positions = batching.n_positions or default_n_positions(_positive(hf.get("max_position_embeddings")))
+    n_query = _positive(hf.get("num_attention_heads"))
+    n_kv = _positive(hf.get("num_key_value_heads")) or n_query
+    hidden = _positive(hf.get("hidden_size"))
+    head_dim = _positive(hf.get("head_dim")) or (hidden // n_query if hidden and n_query else None)
     return NeuronCompileSpec(
         model_path=model_path,
         tp_degree=int(tp),
         batch_size=batching.max_rolling_batch_size,
-        n_positions=batching.n_positions,
+        n_positions=n_positions,
         dtype=config.model.dtype,
         context_length_estimate=batching.context_length_estimate,
         group_query_attention=parallel.group_query_attention,
@@ -199,7 +214,14 @@ def compile_spec_from_config(
         enable_saturate_infinity=neuron.enable_saturate_infinity,
         enable_mixed_precision_accumulation=neuron.enable_mixed_precision_accumulation,
         compiled_graph_path=neuron.compiled_graph_path,
+        n_query_heads=n_query,
+        n_kv_heads=n_kv if n_query else None,
+        head_dim=head_dim,
     )
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def read_model_config(model_path: str) -> dict[str, Any]:
@@ -217,9 +239,10 @@ def load_compiled_model(
     no_compile: bool = False,
     compiler_version: str | None = None,
 ) -> Any:
-    """The ready ``<Arch>ForSampling``: NEFFs from the compile cache entry for ``spec``, compiled
-    into it on a miss (``compile.neuron``: ``to_neuron`` + ``save``; then ``load`` + ``to_neuron``).
-    ``compiler_version`` defaults to the installed neuronx-cc's (it is part of the cache key)."""
+    """The ready ``<Arch>ForSampling``, built once: on a hit ``from_pretrained`` + ``load(entry)`` +
+    ``to_neuron``; on a miss the model compiled into the entry (``from_pretrained`` + ``to_neuron`` +
+    ``save``) is the one served, never built a second time. ``compiler_version`` defaults to the
+    installed neuronx-cc's (it is part of the cache key)."""
     from compile_cache import architecture_config
     from neuron_lmi.compile.neuron import (
         compile_neuron_entry,
@@ -234,11 +257,21 @@ def load_compiled_model(
         cache = CompileCache()
     architecture = _architecture(model_config)
     mapped = plan_neuron_compile(spec, cache, os.environ if env is None else env)
+    for note in mapped.notes:
+        log.warning("transformers-neuronx: %s", note)
     build_neuron_config(mapped)  # fails first, naming the missing Neuron packages
     inputs = neuron_key_inputs(spec, mapped, architecture_config(dict(model_config)), compiler_version)
+    compiled: list[Any] = []
     entry = cache.get_or_compile(
-        inputs, lambda out: compile_neuron_entry(mapped, architecture, out), no_compile=no_compile
+        inputs,
+        lambda out: compiled.append(compile_neuron_entry(mapped, architecture, out)),
+        no_compile=no_compile,
     )
+    if compiled:
+        log.info(
+            "Neuron artifacts: compiled into cache entry %s (%s); serving that model", entry.key, entry.path
+        )
+        return compiled[0]
     log.info("Neuron artifacts: compile cache entry %s (%s)", entry.key, entry.path)
     return load_neuron_model(mapped, architecture, entry.path)
 
@@ -256,9 +289,9 @@ def build_neuron_runner(
     ``model`` replaces the transformers-neuronx model (tests pass a ``ContractModel``).  Without the
     Neuron SDK this raises ``RuntimeError`` naming the packages and AWS's pip repository.
     """
-    spec = compile_spec_from_config(config, model_path, tp_degree)
-    mapped = map_compile_spec(spec)
     model_config = read_model_config(model_path)
+    spec = compile_spec_from_config(config, model_path, tp_degree, model_config)
+    mapped = map_compile_spec(spec)
     if model is None:
         model = load_compiled_model(spec, model_config, cache, compiler_version=compiler_version)
     return runner_for(model, spec, mapped, int(model_config["vocab_size"]))

@@ -4,16 +4,24 @@
         .from_pretrained_kwargs  LlamaForSampling/MistralForSampling.from_pretrained(path, **kwargs)
         .neuron_config           plain description of NeuronConfig's fields
         .env                     NEURON_CC_FLAGS, NEURON_COMPILE_CACHE_URL for the compiler process
+        .notes                   where the library will run something other than what was asked
     build_neuron_config(mapped) -> transformers_neuronx.NeuronConfig (imports the library lazily)
 
-Facts used, read in aws-neuron/transformers-neuronx (v0.13): ``from_pretrained`` takes
-``batch_size, tp_degree, n_positions, amp ('f32'|'f16'|'bf16'), context_length_estimate`` and
-``neuron_config`` (``llama/model.py``); ``config.py`` ``ContinuousBatchingConfig(max_num_seqs=...)``
-(alias ``batch_size_for_shared_caches``), ``NeuronConfig(continuous_batching, group_query_attention,
-fuse_qkv, padding_side, quant)``, continuous batching forcing ``padding_side='right'``, and
+Facts used, read in aws-neuron/transformers-neuronx (v0.13 and the releases before it):
+``from_pretrained`` takes ``batch_size, tp_degree, n_positions, amp ('f32'|'f16'|'bf16'),
+context_length_estimate`` and ``neuron_config`` (``llama/model.py``); ``config.py``
+``ContinuousBatchingConfig(batch_size_for_shared_caches=...)`` (the keyword every release accepts;
+``max_num_seqs`` only 0.13), ``NeuronConfig(continuous_batching, group_query_attention, fuse_qkv,
+padding_side, quant)``, continuous batching forcing ``padding_side='right'``, and
 ``QuantizationConfig(quant_dtype='s8', dequant_dtype=amp)`` (the dequant type must match amp);
-``bucket.py``: token buckets double from 128 up to ``n_positions`` and default context buckets are
-half of each token bucket.  LMI's keys and flag handling: djl-serving ``tnx_properties.py``.
+``bucket.py``: token buckets double from 128 up to ``n_positions``; without
+``context_length_estimate`` the context buckets are *half* of each token bucket, so the largest is
+``n_positions / 2`` and a longer prompt is fed one token per call; we pass the token buckets as the
+estimate instead, so context encoding reaches ``n_positions``. Under continuous batching the
+context-encoding decoders are built with batch 1 (``llama/model.py``), so ``check_gqa_fallback``
+(``decoder.py``) rewrites ``shard-over-batch`` at any tp > 1; the mapping passes what the library
+will run and says why (``tnx_rules.continuous_batching_strategy``).  LMI's keys and flag handling:
+djl-serving ``tnx_properties.py``.
 """
 
 from __future__ import annotations
@@ -25,13 +33,14 @@ from types import MappingProxyType
 from typing import Any
 
 from compile_cache.key import token_generation_buckets
-from neuron_lmi.parallel.tnx_rules import GQAStrategy
+from neuron_lmi.backends.dispatch import NEURON_PIP_REPOSITORY
+from neuron_lmi.parallel.tnx_rules import GQAStrategy, continuous_batching_strategy
 
 AMP = MappingProxyType({"fp32": "f32", "fp16": "f16", "bf16": "bf16"})
 QUANTIZE_METHODS = ("static_int8",)  # LMI's option.quantize for transformers-neuronx
 NEURON_PACKAGES = ("transformers-neuronx", "torch-neuronx", "neuronx-cc")
-NEURON_PIP_REPOSITORY = "https://pip.repos.neuron.amazonaws.com"
 MIN_BUCKET = 128
+GEOMETRY = ("n_query_heads", "n_kv_heads", "head_dim")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +50,10 @@ class NeuronCompileSpec:
     Invariants (checked on construction): positive ``tp_degree``, ``batch_size`` (the max rolling
     batch size, which is also the continuous-batching ``max_num_seqs``) and ``n_positions``; ``dtype``
     in ``AMP``; context estimates positive, at most ``n_positions``, stored sorted and unique;
-    ``group_query_attention`` one of the four GQA names or ``None``; ``neuron_optimize_level`` 1-3.
+    ``group_query_attention`` one of the four GQA names or ``None`` (as asked for: the mapping
+    reports what the library runs); ``neuron_optimize_level`` 1-3. The model's attention geometry
+    (``n_query_heads``, ``n_kv_heads``, ``head_dim``), when given, lets the mapping predict the GQA
+    fallbacks the library applies; ``compile_spec_from_config`` reads it from ``config.json``.
     """
 
     model_path: str
@@ -57,14 +69,21 @@ class NeuronCompileSpec:
     enable_saturate_infinity: bool = False
     enable_mixed_precision_accumulation: bool = False
     compiled_graph_path: str | None = None
+    n_query_heads: int | None = None
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("model_path must not be empty")
-        for name in ("tp_degree", "batch_size", "n_positions"):
+        for name in ("tp_degree", "batch_size", "n_positions", "n_query_heads", "n_kv_heads", "head_dim"):
             value = getattr(self, name)
+            if value is None and name in GEOMETRY:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if (self.n_query_heads is None) != (self.n_kv_heads is None):
+            raise ValueError("n_query_heads and n_kv_heads go together (both or neither)")
         if self.dtype not in AMP:
             raise ValueError(f"dtype={self.dtype!r} is not one of {', '.join(AMP)}")
         if self.context_length_estimate is not None:
@@ -97,6 +116,9 @@ class MappedNeuronArgs:
     """The library-facing form of a ``NeuronCompileSpec``; plain, JSON-serialisable values only.
 
     The dicts are fresh per ``map_compile_spec`` call; callers treat them as read-only.
+    ``neuron_config["group_query_attention"]`` is what the library will run (a fallback it would
+    apply is applied here, and ``notes`` says why); ``gqa_strategy`` names it even where the
+    library's default is left implicit (None passed).
     """
 
     model_path: str
@@ -105,6 +127,13 @@ class MappedNeuronArgs:
     env: dict[str, str]
     token_buckets: tuple[int, ...] = field(default=())
     context_buckets: tuple[int, ...] = field(default=())
+    gqa_strategy: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def key_args(self) -> dict[str, Any]:
+        """Everything handed to the library, for the compile-cache key (``CacheKeyInputs.library_args``):
+        every ``from_pretrained`` keyword and every ``NeuronConfig`` field passed."""
+        return {"from_pretrained_kwargs": self.from_pretrained_kwargs, "neuron_config": self.neuron_config}
 
 
 def token_buckets(n_positions: int) -> tuple[int, ...]:
@@ -117,27 +146,30 @@ def token_buckets(n_positions: int) -> tuple[int, ...]:
 def context_buckets(
     n_positions: int, context_length_estimate: tuple[int, ...] | None = None
 ) -> tuple[int, ...]:
-    """``bucket.context_sizes``: the given estimates sorted, or half of each token bucket."""
+    """The context-encoding buckets: the given estimates sorted, else the token buckets, so the
+    largest reaches ``n_positions`` (the library's own default, half of each token bucket, stops at
+    ``n_positions / 2``; we pass these as ``context_length_estimate``)."""
     if context_length_estimate:
         return tuple(sorted(context_length_estimate))
-    return tuple(bucket // 2 for bucket in token_buckets(n_positions))
+    return token_buckets(n_positions)
 
 
 def map_compile_spec(spec: NeuronCompileSpec, existing_cc_flags: str = "") -> MappedNeuronArgs:
     """Pure mapping; ``existing_cc_flags`` is the caller's current ``NEURON_CC_FLAGS`` (kept first,
     as LMI appends to it).  A flag already present is not repeated; an ``-O``/``--optlevel`` flag
     already present is replaced by ``neuron_optimize_level`` when that is set."""
+    contexts = context_buckets(spec.n_positions, spec.context_length_estimate)
     kwargs: dict[str, Any] = {
         "batch_size": spec.batch_size,
         "tp_degree": spec.tp_degree,
         "n_positions": spec.n_positions,
         "amp": spec.amp,
+        "context_length_estimate": list(contexts),
     }
-    if spec.context_length_estimate is not None:
-        kwargs["context_length_estimate"] = list(spec.context_length_estimate)
+    passed, effective, note = _gqa(spec)
     neuron_config: dict[str, Any] = {
-        "continuous_batching": {"max_num_seqs": spec.batch_size},
-        "group_query_attention": spec.group_query_attention,
+        "continuous_batching": {"batch_size_for_shared_caches": spec.batch_size},
+        "group_query_attention": passed,
         "fuse_qkv": spec.fuse_qkv,
         "padding_side": "right",  # the library forces it with continuous batching
         "quant": {"quant_dtype": "s8", "dequant_dtype": spec.amp} if spec.quantize else None,
@@ -148,8 +180,37 @@ def map_compile_spec(spec: NeuronCompileSpec, existing_cc_flags: str = "") -> Ma
         neuron_config=neuron_config,
         env=_environment(spec, existing_cc_flags),
         token_buckets=token_buckets(spec.n_positions),
-        context_buckets=context_buckets(spec.n_positions, spec.context_length_estimate),
+        context_buckets=contexts,
+        gqa_strategy=effective,
+        notes=(note,) if note else (),
     )
+
+
+def _gqa(spec: NeuronCompileSpec) -> tuple[str | None, str | None, str | None]:
+    """(value passed to ``NeuronConfig``, strategy the library runs, why they differ from the request).
+
+    With the model's geometry this is ``check_gqa_fallback`` under continuous batching; without it
+    only the batch-1 rule is known (shard-over-batch at tp > 1), and the library may still replicate
+    KV heads. A request honoured as it is is passed unchanged (None stays the library default).
+    """
+    requested = GQAStrategy.parse(spec.group_query_attention)
+    if spec.n_query_heads is not None and spec.n_kv_heads is not None:
+        head_dim = spec.head_dim or 1
+        strategy, reason = continuous_batching_strategy(
+            spec.n_query_heads, spec.n_kv_heads, head_dim, spec.tp_degree, requested
+        )
+    elif requested is GQAStrategy.SHARD_OVER_BATCH and spec.tp_degree > 1:
+        strategy = GQAStrategy.SHARD_OVER_HEADS
+        reason = (
+            "continuous batching builds the context-encoding decoders with batch 1, so transformers-neuronx "
+            f"replaces shard-over-batch at tp_degree={spec.tp_degree}; using shard-over-heads (model "
+            "geometry unknown: KV heads are replicated if n_kv_heads is not divisible by tp_degree)"
+        )
+    else:
+        return (requested.value if requested else None), (requested.value if requested else None), None
+    if reason is None:
+        return (requested.value if requested else None), strategy.value, None
+    return strategy.value, strategy.value, reason
 
 
 def build_neuron_config(mapped: MappedNeuronArgs) -> Any:

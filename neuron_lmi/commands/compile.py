@@ -6,10 +6,15 @@ the same settings computes the same key and loads the entry instead of compiling
 
 * ``--target cpu``: AOTInductor packages per context and token-generation bucket (see
   ``neuron_lmi/compile/cpu_aot.py``); dtype fp32 unless told, like the CPU engine;
-* ``--target neuron``: transformers-neuronx NEFFs (see ``neuron_lmi/compile/neuron.py``).
+* ``--target neuron``: NxD Inference's ``compile(dir)`` (``--model-loader nxdi``, the default, see
+  ``neuron_lmi/backends/nxdi/``) or transformers-neuronx NEFFs (``--model-loader tnx``, SDK <= 2.25,
+  see ``neuron_lmi/compile/neuron.py``).
 
 A hit loads (cpu) or reports (neuron) without compiling; ``--no-compile`` turns a miss into an
 error. The end prints the key, the artifacts' size and the time taken (``--json`` for a JSON object).
+``--target neuron --dry-run`` imports no Neuron package and needs only the model's ``config.json``: it
+prints the exact constructor arguments, classes and the compile-cache key with its inputs, so a
+compile can be reviewed before paying for an instance.
 Exit status: 0 success, 2 an error (message on stderr).
 """
 
@@ -35,7 +40,9 @@ CLI_FIELDS = (
     "dtype",
     "group_query_attention",
     "compiled_graph_path",
+    "model_loader",
 )
+NEURON_LOADERS = ("nxdi", "tnx")
 CPU_DTYPES = ("fp32", "bf16")
 
 
@@ -63,6 +70,15 @@ def add_parser(subparsers: Any) -> None:
     )
     where.add_argument("--cache-url", help="remote store s3://bucket/prefix (pulled before, pushed after)")
     p.add_argument("--properties", help="an LMI serving.properties file (or the folder holding one)")
+    p.add_argument(
+        "--model-loader",
+        choices=NEURON_LOADERS,
+        help="neuron target: nxdi (default) or tnx (option.model_loader)",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="neuron target: print the arguments and key, compile nothing"
+    )
+    p.add_argument("--compiler-version", help="neuronx-cc version for the key (default: the installed one)")
     p.add_argument("--no-compile", action="store_true", help="fail instead of compiling on a miss")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -123,56 +139,114 @@ def _compile_cpu(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
     }
 
 
-def _compile_neuron(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
-    from compile_cache import architecture_config
-    from neuron_lmi.backends.neuron_args import NeuronCompileSpec
-    from neuron_lmi.compile.neuron import compile_neuron_entry, neuron_key_inputs, plan_neuron_compile
-    from neuron_lmi.config import default_n_positions
-
-    cfg = resolved.config
-    model_dir = Path(cfg.model.model_id or "")
+def _neuron_model_config(resolved: Any) -> tuple[Path, dict[str, Any]]:
+    model_dir = Path(resolved.config.model.model_id or "")
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ValueError(
             f"--model: the neuron target needs a Hugging Face checkpoint folder; {config_path} is missing"
         )
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    tp = cfg.parallel.tensor_parallel_degree
+    return model_dir, json.loads(config_path.read_text(encoding="utf-8"))
+
+
+def _neuron_tp(resolved: Any) -> int:
+    tp = resolved.config.parallel.tensor_parallel_degree
     if tp == "max":
         raise ValueError("--tensor-parallel-degree: give a number for compile (max depends on the host)")
-    spec = NeuronCompileSpec(
-        model_path=str(model_dir),
-        tp_degree=tp,
-        batch_size=cfg.batching.max_rolling_batch_size,
-        n_positions=cfg.batching.n_positions or default_n_positions(config.get("max_position_embeddings")),
-        dtype=args.dtype or cfg.model.dtype,
-        context_length_estimate=cfg.batching.context_length_estimate,
-        group_query_attention=cfg.parallel.group_query_attention,
+    return int(tp)
+
+
+def _loader(args: argparse.Namespace, resolved: Any) -> str:
+    loader = args.model_loader or resolved.config.neuron.model_loader or "nxdi"
+    if loader not in NEURON_LOADERS:
+        raise ValueError(f"--model-loader: the neuron target compiles with nxdi or tnx, got {loader!r}")
+    return loader
+
+
+def _nxdi(args: argparse.Namespace, resolved: Any) -> tuple[dict[str, Any], Any]:
+    """(dry-run description, compile thunk) for NxD Inference."""
+    from neuron_lmi.backends.nxdi.artifacts import compile_entry, nxdi_key_inputs
+    from neuron_lmi.backends.nxdi.plan import plan_nxdi
+
+    model_dir, config = _neuron_model_config(resolved)
+    plan = plan_nxdi(resolved.config, config, str(model_dir), _neuron_tp(resolved))
+    inputs = nxdi_key_inputs(plan, config, args.compiler_version)
+    described = {**plan.describe(), "cache_key": inputs.key(), "cache_key_inputs": inputs.describe()}
+
+    def work(cache: Any) -> dict[str, Any]:
+        entry, app = compile_entry(plan, config, cache, args.no_compile, args.compiler_version)
+        graphs = len(plan.context_buckets) + len(plan.token_buckets)
+        return {"entry": entry, "compiled": app is not None, "graphs": graphs, "model": str(model_dir)}
+
+    return described, work
+
+
+def _tnx(args: argparse.Namespace, resolved: Any) -> tuple[dict[str, Any], Any]:
+    """(dry-run description, compile thunk) for transformers-neuronx, built as serve builds it."""
+    from compile_cache import architecture_config
+    from neuron_lmi.backends.neuron import compile_spec_from_config
+    from neuron_lmi.compile.neuron import (
+        compile_neuron_entry,
+        neuron_key_inputs,
+        plan_neuron_compile,
+        sampling_class_path,
     )
-    cache = _cache(args, cfg.neuron.compiled_graph_path)
-    mapped = plan_neuron_compile(spec, cache, os.environ)
-    inputs = neuron_key_inputs(spec, mapped, architecture_config(config))
+
+    model_dir, config = _neuron_model_config(resolved)
+    spec = compile_spec_from_config(resolved.config, str(model_dir), _neuron_tp(resolved))
+    cache_for_plan = _cache(args, resolved.config.neuron.compiled_graph_path)
+    mapped = plan_neuron_compile(spec, cache_for_plan, os.environ)
     architecture = (config.get("architectures") or ["LlamaForCausalLM"])[0]
-    ran: list[bool] = []
-
-    def compile_fn(out: Path) -> None:
-        ran.append(True)
-        compile_neuron_entry(mapped, architecture, out)
-
-    entry = cache.get_or_compile(inputs, compile_fn, no_compile=args.no_compile)
-    return {
-        "entry": entry,
-        "compiled": bool(ran),
-        "graphs": len(mapped.context_buckets) + len(mapped.token_buckets),
-        "model": str(model_dir),
+    inputs = neuron_key_inputs(
+        spec, mapped, architecture_config(config), args.compiler_version or "not-installed"
+    )
+    module, name = sampling_class_path(architecture)
+    described = {
+        "library": "transformers-neuronx",
+        "application_class": f"{module}.{name}",
+        "from_pretrained_kwargs": mapped.from_pretrained_kwargs,
+        "neuron_config_class": "transformers_neuronx.NeuronConfig",
+        "neuron_config_kwargs": mapped.neuron_config,
+        "environment": mapped.env,
+        "context_buckets": list(mapped.context_buckets),
+        "token_buckets": list(mapped.token_buckets),
+        "cache_key": inputs.key(),
+        "cache_key_inputs": inputs.describe(),
     }
+
+    def work(cache: Any) -> dict[str, Any]:
+        ran: list[bool] = []
+
+        def compile_fn(out: Path) -> None:
+            ran.append(True)
+            compile_neuron_entry(mapped, architecture, out)
+
+        real_inputs = neuron_key_inputs(spec, mapped, architecture_config(config), args.compiler_version)
+        entry = cache.get_or_compile(real_inputs, compile_fn, no_compile=args.no_compile)
+        graphs = len(mapped.context_buckets) + len(mapped.token_buckets)
+        return {"entry": entry, "compiled": bool(ran), "graphs": graphs, "model": str(model_dir)}
+
+    return described, work
+
+
+def _compile_neuron(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
+    loader = _loader(args, resolved)
+    described, work = (_nxdi if loader == "nxdi" else _tnx)(args, resolved)
+    if args.dry_run:
+        return {"dry_run": {"target": "neuron", "model_loader": loader, **described}}
+    return work(_cache(args, resolved.config.neuron.compiled_graph_path))
 
 
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     resolved = _resolve(args)
+    if args.dry_run and args.target != "neuron":
+        raise ValueError("--dry-run: only the neuron target has a dry run")
     work = _compile_cpu if args.target == "cpu" else _compile_neuron
     result = work(args, resolved)
+    if "dry_run" in result:
+        _print_dry_run(result["dry_run"], args.json)
+        return 0
     entry = result["entry"]
     seconds = time.monotonic() - started
     summary = {
@@ -197,3 +271,16 @@ def run(args: argparse.Namespace) -> int:
         )
     sys.stdout.flush()
     return 0
+
+
+def _print_dry_run(described: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(described, indent=2, sort_keys=True))
+    else:
+        for name in ("model_loader", "library", "application_class", "neuron_config_class", "cache_key"):
+            print(f"{name:20} {described.get(name)}")
+        print("neuron_config_kwargs " + json.dumps(described["neuron_config_kwargs"], sort_keys=True))
+        if described.get("ignored"):
+            for key, reason in described["ignored"].items():
+                print(f"ignored              {key}: {reason}")
+    sys.stdout.flush()

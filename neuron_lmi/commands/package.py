@@ -6,15 +6,20 @@ directory would make it::
 
     config.json  model*.safetensors  tokenizer*  serving.properties  compiled/<neff files>
 
-``serving.properties`` is validated through ``neuron_lmi.config`` (unknown keys and bad values are
-errors naming the key) and never carries ``option.model_id``: with no model id the server loads the
-weights from the directory the properties file sits in.
+``--model`` takes what ``serve`` takes: a built-in name (``smollm2``), a local folder or ``.gguf``,
+``s3://…`` or a Hub id (fetched first). ``serving.properties`` is validated through
+``neuron_lmi.config``: a bad value is an error naming the key; a key neuron-lmi does not know is kept
+and warned about, as ``serve`` ignores it with a warning. With no ``option.model_id`` the server loads
+the weights from the folder the properties file sits in; LMI's ``option.model_id=/opt/ml/model`` (the
+``--container-model-dir``, for uncompressed artifacts) says the same and is kept; any other model id
+would override the packaged weights and is refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import tarfile
 import tempfile
@@ -34,7 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", required=True, type=Path, help="model directory or .gguf file")
+    parser.add_argument(
+        "--model", required=True, help="as for serve: smollm2, a local dir or .gguf, s3://..., or a Hub id"
+    )
     parser.add_argument("--compiled", type=Path, help="compiled artifacts (NEFFs) to ship under compiled/")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--properties", type=Path, help="serving.properties to validate and include")
@@ -81,30 +88,52 @@ def _parse_options(pairs: list[str]) -> dict[str, str]:
     return values
 
 
-def collect_properties(args: argparse.Namespace) -> dict[str, str]:
-    """The serving.properties entries to write, keyed by their LMI names, before validation."""
+def resolve_model(model: str) -> Path:
+    """The local folder or ``.gguf`` for ``--model``, named as ``serve`` names a model."""
+    local = Path(model).expanduser()
+    if local.exists():
+        return local
+    if model.startswith(("/", ".", "~")):
+        raise FileNotFoundError(f"--model {model}: no such file or directory")
+    from neuron_lmi.backends.builders.common import model_cache_dir
+    from neuron_lmi.model_source import fetch_model
+
+    return Path(fetch_model(model, model_cache_dir(os.environ)))
+
+
+def collect_properties(args: argparse.Namespace, model: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """The serving.properties entries to write, before validation: (known keys by their LMI names,
+    unknown keys as written). Unknown keys are logged as ``serve`` logs them."""
     from neuron_lmi.config import lookup, read_properties
 
     if args.properties is not None:
         raw = read_properties(args.properties)
     elif args.option:
         raw = _parse_options(args.option)
-    elif args.model.is_dir() and (args.model / PROPERTIES_NAME).is_file():
-        raw = read_properties(args.model / PROPERTIES_NAME)
+    elif model.is_dir() and (model / PROPERTIES_NAME).is_file():
+        raw = read_properties(model / PROPERTIES_NAME)
     else:
         raw = {}
     values: dict[str, str] = {}
+    unknown: dict[str, str] = {}
     for key, value in raw.items():
         spec = lookup(key)
         if spec is None:
-            raise ValueError(f"{key}={value}: not an LMI/neuron-lmi serving.properties key")
-        values[spec.lmi] = value
-    if "option.model_id" in values:
-        raise ValueError(
-            f"option.model_id={values['option.model_id']}: the packaged weights are the model; "
-            "drop option.model_id (it would override them)"
+            unknown[key] = value
+        else:
+            values[spec.lmi] = value
+    if unknown:
+        logger.warning(
+            "keeping serving.properties keys neuron-lmi does not support (serve ignores them): %s",
+            ", ".join(sorted(unknown)),
         )
-    return values
+    model_id = values.get("option.model_id")
+    if model_id is not None and model_id.rstrip("/") != args.container_model_dir.rstrip("/"):
+        raise ValueError(
+            f"option.model_id={model_id}: the packaged weights are the model; drop option.model_id "
+            f"or set it to {args.container_model_dir} (any other id would override them)"
+        )
+    return values, unknown
 
 
 def plan_files(model: Path, compiled: Path | None) -> list[tuple[Path, str]]:
@@ -158,18 +187,24 @@ def write_directory(out: Path, files: list[tuple[Path, str]], properties: Path) 
 
 def run(args: argparse.Namespace) -> int:
     from neuron_lmi.config import write_properties
+    from neuron_lmi.config.sources import format_properties, write_text_atomic
 
-    if args.model.is_dir() and args.out.resolve().is_relative_to(args.model.resolve()):
+    model = resolve_model(args.model)
+    if model.is_dir() and args.out.resolve().is_relative_to(model.resolve()):
         raise ValueError(f"--out {args.out}: must be outside --model {args.model}")
-    values = collect_properties(args)
-    files = plan_files(args.model, args.compiled)
+    values, unknown = collect_properties(args, model)
+    files = plan_files(model, args.compiled)
     if args.compiled is not None:
         values.setdefault(
             "option.compiled_graph_path", f"{args.container_model_dir.rstrip('/')}/{COMPILED_DIR}"
         )
     with tempfile.TemporaryDirectory(prefix="neuron-lmi-package-") as tmp:
         properties = Path(tmp) / PROPERTIES_NAME
-        written = write_properties(values, properties, header="packaged by neuron-lmi package")
+        header = "packaged by neuron-lmi package"
+        written = write_properties(values, properties, header=header)
+        if unknown:  # kept for LMI, after validating the known keys
+            written = {**written, **unknown}
+            write_text_atomic(properties, format_properties(written, header))
         if _is_archive(args.out):
             write_archive(args.out, files, properties, args.compresslevel)
         else:

@@ -53,7 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--headroom",
         type=float,
         default=DEFAULT_HEADROOM,
-        help="fraction of each core's 16 GiB kept free for NEFFs, activations and runtime (default 0.1)",
+        help="fraction of each core's HBM (16 GiB inf2/trn1, 24 GiB trn2 at LNC=2) kept free for NEFFs, "
+        "activations and runtime (default 0.1)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.set_defaults(func=run)
@@ -94,19 +95,23 @@ def run(args: argparse.Namespace) -> int:
 def format_instance_plan(plan: InstancePlan) -> str:
     """Two tables (the default strategy per tp, then KV per row under each GQA strategy) and the
     recommendation."""
+    hbm = f"{plan.hbm_bytes_per_core / GIB:g} GiB"
     lines = [
-        f"{plan.model} on {plan.instance} ({plan.cores} NeuronCores x 16 GiB), {plan.dtype}, "
+        f"{plan.model} on {plan.instance} ({plan.cores} NeuronCores x {hbm}), {plan.dtype}, "
         f"n_positions={plan.n_positions}, batch_size={plan.batch_size}",
-        f"budget per core: {_gib(plan.budget_bytes_per_core)} (16 GiB less {plan.headroom:.0%} headroom); "
+        f"budget per core: {_gib(plan.budget_bytes_per_core)} ({hbm} less {plan.headroom:.0%} headroom); "
         "token embedding stays on the host",
         "",
     ]
+    # MoE models: the experts' share of the weights per core (every expert split over the tp ranks).
+    moe = any(o.expert_weight_bytes_per_core for o in plan.options)
     header = (
         "tp",
         "replicas",
         "GQA (default)",
         "q/kv heads",
         "weights/core",
+        *(("experts/core",) if moe else ()),
         "padding",
         "KV/row/core",
         "max rows",
@@ -119,6 +124,7 @@ def format_instance_plan(plan: InstancePlan) -> str:
             o.strategy,
             f"{o.query_heads_padded}/{o.kv_heads_effective}",
             _gib(o.weight_bytes_per_core),
+            *((_gib(o.expert_weight_bytes_per_core),) if moe else ()),
             _mib(o.padding_bytes_per_core),
             _mib(o.kv_bytes_per_row_per_core),
             str(o.max_rows),

@@ -1,12 +1,16 @@
 """``neuron-lmi serve``: resolve the configuration, build the engine, run the HTTP server.
 
 Configuration comes from ``neuron_lmi.config`` (CLI > serving.properties > environment > default).
-Started the SageMaker way (``SM_MODEL_DIR``, a ``/opt/ml/model/serving.properties``, or
-``SERVING_SAGEMAKER=true``) the server binds 0.0.0.0 on ``SAGEMAKER_BIND_TO_PORT`` (the port
-SageMaker assigns to images labelled ``accept-bind-to-port=true``), else 8080; otherwise
-127.0.0.1:8080 unless ``--host``/``--port`` say otherwise. SIGTERM drains in-flight requests
-within the grace period and exits 0; with ``SERVING_FAIL_FAST=true`` a dead engine loop makes the
-process exit 3.
+SageMaker starts the image as ``serve`` (this command) with ``/opt/ml`` mounted, often configured by
+environment variables only (``HF_MODEL_ID``, ``OPTION_*``); it never sets ``SM_MODEL_DIR`` (a
+training variable). So SageMaker mode is ``SERVING_SAGEMAKER`` when set, else any of:
+``SAGEMAKER_BIND_TO_PORT`` set, ``/opt/ml`` present (``NEURON_LMI_SAGEMAKER_ROOT`` moves it), the
+serving.properties read from its ``model`` folder. There the server binds 0.0.0.0, and the SIGTERM
+drain is capped so that the process exits before SageMaker's SIGKILL 30 s later. Elsewhere it binds
+127.0.0.1 unless ``--host`` says otherwise. The port is ``--port``, else ``SAGEMAKER_BIND_TO_PORT``
+whenever it is set (as the SageMaker inference toolkit does), else the configured one (8080).
+SIGTERM drains in-flight requests within the grace period and exits 0; with
+``SERVING_FAIL_FAST=true`` a dead engine loop makes the process exit 3.
 """
 
 from __future__ import annotations
@@ -15,8 +19,7 @@ import argparse
 import logging
 import os
 import signal
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +35,10 @@ LOOPBACK = "127.0.0.1"
 ALL_INTERFACES = "0.0.0.0"
 CPU_DTYPES = ("fp32", "bf16")
 SAGEMAKER_PORT_VAR = "SAGEMAKER_BIND_TO_PORT"
+# SageMaker sends SIGKILL 30 s after SIGTERM. The stop is: HTTP drain (uvicorn's graceful timeout),
+# then the engine's stop (its own grace, then up to 5 s joining its thread): 20 + 3 + 5 < 30.
+SAGEMAKER_HTTP_DRAIN_S = 20.0
+SAGEMAKER_ENGINE_STOP_S = 3.0
 
 
 def add_parser(subparsers: Any) -> None:
@@ -58,14 +65,20 @@ def _is_default(resolved: ResolvedConfig, field_name: str) -> bool:
 
 
 def sagemaker_mode(resolved: ResolvedConfig, env: Mapping[str, str]) -> bool:
-    """Whether we run as a SageMaker container (its contract: 0.0.0.0:8080, /ping, /invocations)."""
-    from neuron_lmi.config import sagemaker_model_dir
+    """Whether ``serve`` runs as a SageMaker container (0.0.0.0, /ping, /invocations, 30 s to stop).
 
-    if resolved.config.server.sagemaker or env.get("SM_MODEL_DIR", "").strip():
+    ``SERVING_SAGEMAKER`` decides when set; otherwise ``SAGEMAKER_BIND_TO_PORT`` set, the SageMaker
+    root (``/opt/ml``) present, or serving.properties read from its model folder. ``SM_MODEL_DIR``
+    is no sign: SageMaker hosting does not set it.
+    """
+    from neuron_lmi.config import sagemaker_model_dir, sagemaker_root
+
+    if not _is_default(resolved, "sagemaker"):
+        return resolved.config.server.sagemaker
+    if env.get(SAGEMAKER_PORT_VAR, "").strip() or sagemaker_root(env).is_dir():
         return True
-    sm_dir = sagemaker_model_dir(env)
     props = resolved.properties_path
-    return (props is not None and props.parent == sm_dir) or (sm_dir / "serving.properties").is_file()
+    return props is not None and props.parent == sagemaker_model_dir(env)
 
 
 def bind_host(resolved: ResolvedConfig, env: Mapping[str, str]) -> str:
@@ -75,10 +88,10 @@ def bind_host(resolved: ResolvedConfig, env: Mapping[str, str]) -> str:
 
 
 def bind_port(resolved: ResolvedConfig, env: Mapping[str, str]) -> int:
-    """``--port`` if given; in SageMaker mode ``SAGEMAKER_BIND_TO_PORT`` when set (SageMaker's
-    contract: the container listens where it is told); else the configured port (default 8080)."""
+    """``--port`` if given; else ``SAGEMAKER_BIND_TO_PORT`` whenever it is set (SageMaker's contract:
+    the container listens where it is told); else the configured port (default 8080)."""
     port = resolved.config.server.port
-    if resolved.source_of("port") == "cli" or not sagemaker_mode(resolved, env):
+    if resolved.source_of("port") == "cli":
         return port
     value = env.get(SAGEMAKER_PORT_VAR, "").strip()
     if not value:
@@ -86,6 +99,17 @@ def bind_port(resolved: ResolvedConfig, env: Mapping[str, str]) -> int:
     if not value.isdigit() or not 0 < int(value) <= 65535:
         raise ValueError(f"{SAGEMAKER_PORT_VAR}={value!r}: expected a TCP port number (1-65535)")
     return int(value)
+
+
+def stop_timeouts(resolved: ResolvedConfig, sagemaker: bool) -> tuple[float, float]:
+    """(HTTP drain, engine stop) seconds after SIGTERM: the configured grace period for each, capped
+    under SageMaker so the whole stop ends before its SIGKILL (see ``SAGEMAKER_HTTP_DRAIN_S``)."""
+    grace = resolved.config.server.grace_period_s
+    if not sagemaker:
+        return grace, grace
+    if grace > SAGEMAKER_HTTP_DRAIN_S:
+        log.info("SageMaker kills 30 s after SIGTERM: drain %gs, not %gs", SAGEMAKER_HTTP_DRAIN_S, grace)
+    return min(grace, SAGEMAKER_HTTP_DRAIN_S), min(grace, SAGEMAKER_ENGINE_STOP_S)
 
 
 def _requested_backend(resolved: ResolvedConfig) -> str:
@@ -99,93 +123,26 @@ def _requested_backend(resolved: ResolvedConfig) -> str:
     return requested_from_lmi(cfg.backend.backend, explicit_rolling, cfg.backend.engine)
 
 
-def model_cache_dir(env: Mapping[str, str]) -> Path:
-    return Path(env.get("NEURON_LMI_MODEL_CACHE") or Path.home() / ".cache" / "neuron-lmi" / "models")
-
-
-def _build_cpu(resolved: ResolvedConfig, env: Mapping[str, str]) -> Engine:
-    """The torch reference engine; the model is fetched first (built-in, local, s3://, Hub)."""
-    from neuron_lmi.engine.async_engine import AsyncEngine
-    from neuron_lmi.model_source import fetch_model
-
-    cfg = resolved.config
-    model_id = cfg.model.model_id or "smollm2"
-    path = fetch_model(
-        model_id, model_cache_dir(env), cfg.model.model_loading_timeout, env, revision=cfg.model.revision
-    )
-    dtype = "fp32" if _is_default(resolved, "dtype") else cfg.model.dtype
-    tp = cfg.parallel.tensor_parallel_degree
-    kwargs: dict[str, Any] = {
-        "dtype": dtype,
-        "max_rolling_batch_size": cfg.batching.max_rolling_batch_size,
-        "n_positions": cfg.batching.n_positions,
-        "max_queue_size": cfg.batching.max_queue_size,
-        "max_prefill_tokens": cfg.batching.max_prefill_tokens or 4096,
-        "tensor_parallel_degree": 1 if tp == "max" else tp,
-        # LMI's option.compiled_graph_path (a directory or s3:// URI) turns on the AOT-compiled runner.
-        "compiled_graph_path": cfg.neuron.compiled_graph_path,
-        "context_length_estimate": cfg.batching.context_length_estimate,
-    }
-    engine = AsyncEngine.from_options(str(path), **kwargs)
-    engine.model_name = model_id
-    return engine
-
-
-def _build_neuron(resolved: ResolvedConfig, env: Mapping[str, str]) -> Engine:
-    """transformers-neuronx behind the same rolling-batch engine; artifacts via the compile cache."""
-    from compile_cache import CompileCache
-    from neuron_lmi.backends.neuron import build_neuron_runner
-    from neuron_lmi.engine.async_engine import AsyncEngine
-    from neuron_lmi.engine.build import eos_ids_for
-    from neuron_lmi.engine.core import EngineCore
-    from neuron_lmi.model_source import fetch_model
-    from neuron_lmi.models.loader import read_hf_config
-
-    cfg = resolved.config
-    model_id = cfg.model.model_id or "smollm2"
-    path = fetch_model(
-        model_id, model_cache_dir(env), cfg.model.model_loading_timeout, env, revision=cfg.model.revision
-    )
-    remote = cfg.neuron.compiled_graph_path
-    remote_url = remote if remote and remote.startswith("s3://") else None
-    local_root = Path(remote) if remote and not remote_url else None
-    runner = build_neuron_runner(cfg, str(path), CompileCache(local_root, remote=remote_url))
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    eos = eos_ids_for(read_hf_config(Path(path)), tokenizer)
-    core = EngineCore(runner, tokenizer, eos, cfg.batching.max_prefill_tokens or 4096)
-    engine = AsyncEngine(core, model_name=model_id, max_queue_size=cfg.batching.max_queue_size)
-    engine.backend_name = "neuron"
-    return engine
-
-
-def _build_vllm(resolved: ResolvedConfig, env: Mapping[str, str]) -> Engine:
-    from gpu_fallback.serve import build_vllm_engine
-
-    return build_vllm_engine(resolved, env)
-
-
-# Backend name -> builder; each imports its backend only when chosen.
-ENGINE_BUILDERS: dict[str, Callable[[ResolvedConfig, Mapping[str, str]], Engine]] = {
-    "cpu": _build_cpu,
-    "neuron": _build_neuron,
-    "vllm": _build_vllm,
-}
-
-
 def build_engine(resolved: ResolvedConfig, env: Mapping[str, str] | None = None) -> Engine:
-    """Choose the backend for this host and configuration, and build its engine (not started)."""
-    from neuron_lmi.backends.dispatch import choose_backend, probe_host
+    """Configuration -> backend name -> registered builder -> Engine (not started).
+
+    The start-up log names the backend, the library and its version, why it was chosen, and the
+    tensor-parallel degree (``max`` resolved to the visible NeuronCores or GPUs).
+    """
+    from neuron_lmi.backends import registry
+    from neuron_lmi.backends.dispatch import choose_backend, probe_host, resolve_tp_degree
 
     env = os.environ if env is None else env
+    cfg = resolved.config
     requested = _requested_backend(resolved)
-    choice = choose_backend(requested, probe_host(requested))
-    log.info("backend %s: %s", choice.name, choice.reason)
-    builder = ENGINE_BUILDERS.get(choice.name)
-    if builder is None:
-        raise RuntimeError(f"backend {choice.name!r} is not available in this build of neuron-lmi serve")
-    return builder(resolved, env)
+    probe = probe_host(requested, env=env)
+    choice = choose_backend(requested, probe, cfg.neuron.model_loader)
+    tp, how = resolve_tp_degree(
+        cfg.parallel.tensor_parallel_degree, choice.name, probe, env, cfg.neuron.logical_nc_config
+    )
+    log.info("%s; tensor parallel degree %d (%s)", choice.summary(), tp, how)
+    builder = registry.get(choice.name)
+    return builder(registry.BuildRequest(resolved, env, choice.name, tp, choice))
 
 
 def _make_server(app: Any, host: str, port: int, grace_s: float) -> Any:
@@ -219,10 +176,13 @@ def run(args: argparse.Namespace) -> int:
 
     env = os.environ
     resolved = load_config(cli_overrides(args), args.properties, env)
+    sagemaker = sagemaker_mode(resolved, env)
+    drain_s, engine_stop_s = stop_timeouts(resolved, sagemaker)
     if args.print_config:
         print(format_config(resolved))
-        mode = "SageMaker" if sagemaker_mode(resolved, env) else "local"
+        mode = "SageMaker" if sagemaker else "local"
         print(f"bind address: {bind_host(resolved, env)}:{bind_port(resolved, env)} ({mode} mode)")
+        print(f"on SIGTERM: drain requests {drain_s:g}s, then stop the engine {engine_stop_s:g}s")
         return 0
     server_cfg = resolved.config.server
     host = bind_host(resolved, env)
@@ -246,11 +206,11 @@ def run(args: argparse.Namespace) -> int:
         served_model_name=engine.model_name,
         dtype=resolved.config.model.dtype if not _is_default(resolved, "dtype") else "fp32",
         fail_fast=server_cfg.fail_fast,
-        grace_period_s=server_cfg.grace_period_s,
-        sagemaker=sagemaker_mode(resolved, env),
+        grace_period_s=engine_stop_s,
+        sagemaker=sagemaker,
         on_fatal=on_fatal,
     )
-    server = _make_server(create_app(engine, options), host, port, server_cfg.grace_period_s)
+    server = _make_server(create_app(engine, options), host, port, drain_s)
     holder["server"] = server
     log.info("listening on http://%s:%d", host, port)
     server.run()

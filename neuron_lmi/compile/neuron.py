@@ -8,7 +8,13 @@ the packages and AWS's pip repository. During the compile ``NEURON_COMPILE_CACHE
 store (``<root>/.neuron-compile-cache`` locally, or ``<remote>/.neuron-compile-cache`` for an
 ``s3://`` store), so neuronx-cc's own per-graph cache lives beside our entries. NEFFs are graphs
 only, never weights (the library loads weights at ``to_neuron``), so the key carries a *headers*
-fingerprint of the weights (names, shapes, dtypes) rather than their contents.
+fingerprint of the weights (names, shapes, dtypes) rather than their contents, and every argument
+handed to the library (``library_args``: each ``from_pretrained`` keyword, each ``NeuronConfig``
+field, the library's version), so a hit is never a graph compiled with other settings. The GQA
+strategy in the key is the one the library runs (see ``MappedNeuronArgs.notes``).
+
+A compile returns the model it compiled (on the device, ready): the caller serves it instead of
+building it a second time from the entry.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from compile_cache import CacheKeyInputs, CompileCache, fingerprint_weights
+from compile_cache import CacheKeyInputs, CompileCache, fingerprint_weights, is_writable_dir
 from neuron_lmi.backends.neuron_args import (
     MappedNeuronArgs,
     NeuronCompileSpec,
@@ -31,6 +37,8 @@ from neuron_lmi.backends.neuron_args import (
 )
 
 COMPILER = "neuronx-cc"
+LIBRARY = "transformers-neuronx"
+NOT_INSTALLED = "not-installed"
 NEURON_CACHE_FOLDER = ".neuron-compile-cache"  # dot-prefixed: the store never mistakes it for entries
 ARGS_FILE = "neuron.json"
 # config.json "architectures" entry -> transformers-neuronx class (module, name); a table, not a branch.
@@ -53,7 +61,9 @@ def plan_neuron_compile(
     """The library-facing arguments for ``spec``, with the compile cache URL pointed at ``cache``
     (an explicit ``spec.compiled_graph_path`` wins, as in LMI)."""
     mapped = map_compile_spec(spec, env.get("NEURON_CC_FLAGS", ""))
-    if "NEURON_COMPILE_CACHE_URL" not in mapped.env:
+    explicit = mapped.env.get("NEURON_COMPILE_CACHE_URL")
+    # neuronx-cc writes and locks in its cache: a read-only folder (SageMaker's /opt/ml/model) cannot be it.
+    if explicit is None or not (explicit.startswith("s3://") or is_writable_dir(explicit)):
         mapped.env["NEURON_COMPILE_CACHE_URL"] = neuron_cache_url(cache)
     return mapped
 
@@ -72,8 +82,11 @@ def neuron_key_inputs(
     mapped: MappedNeuronArgs,
     architecture: Mapping[str, Any],
     version: str | None = None,
+    library_version: str | None = None,
 ) -> CacheKeyInputs:
-    """The cache key for a Neuron compile; ``version`` defaults to the installed neuronx-cc's."""
+    """The cache key for a Neuron compile. ``version`` defaults to the installed neuronx-cc's (and
+    must be given where it is not installed); ``library_version`` to transformers-neuronx's, or
+    ``not-installed``."""
     if version is None:
         try:
             version = metadata.version(COMPILER)
@@ -82,6 +95,11 @@ def neuron_key_inputs(
                 f"{COMPILER} is not installed here, so the Neuron compiler version is unknown; "
                 "compile on a Neuron host (inf2/trn1) with the Neuron SDK installed"
             ) from exc
+    if library_version is None:
+        try:
+            library_version = metadata.version(LIBRARY)
+        except metadata.PackageNotFoundError:
+            library_version = NOT_INSTALLED
     return CacheKeyInputs(
         architecture=architecture,
         target="neuron",
@@ -93,9 +111,10 @@ def neuron_key_inputs(
         dtype=spec.dtype,
         batch_size=spec.batch_size,
         tensor_parallel_degree=spec.tp_degree,
-        gqa_strategy=spec.group_query_attention,
+        gqa_strategy=mapped.gqa_strategy,
         compiler_flags=tuple(shlex.split(mapped.env.get("NEURON_CC_FLAGS", ""))),
         weights_fingerprint=fingerprint_weights(spec.model_path, mode="headers"),
+        library_args={**mapped.key_args(), "library": LIBRARY, "library_version": library_version},
     )
 
 
@@ -121,9 +140,10 @@ def _sampling_class(architecture: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def compile_neuron_entry(mapped: MappedNeuronArgs, architecture: str, out_dir: Path) -> None:
+def compile_neuron_entry(mapped: MappedNeuronArgs, architecture: str, out_dir: Path) -> Any:
     """Compile with transformers-neuronx and ``save`` the NEFFs into ``out_dir`` (a staging folder),
-    plus ``neuron.json`` recording the arguments used. Raises ``RuntimeError`` without the library."""
+    plus ``neuron.json`` recording the arguments used; return the compiled model, which is ready to
+    serve. Raises ``RuntimeError`` without the library."""
     neuron_config = build_neuron_config(mapped)  # the clear "install the Neuron SDK" error comes first
     cls = _sampling_class(architecture)
     with _environment(mapped.env):
@@ -136,9 +156,12 @@ def compile_neuron_entry(mapped: MappedNeuronArgs, architecture: str, out_dir: P
         "architecture": architecture,
         "from_pretrained_kwargs": mapped.from_pretrained_kwargs,
         "neuron_config": mapped.neuron_config,
+        "gqa_strategy": mapped.gqa_strategy,
+        "notes": list(mapped.notes),
         "env": mapped.env,
     }
     (out_dir / ARGS_FILE).write_text(json.dumps(record, indent=2, sort_keys=True), encoding="utf-8")
+    return model
 
 
 def load_neuron_model(mapped: MappedNeuronArgs, architecture: str, entry_dir: Path) -> Any:

@@ -28,7 +28,12 @@ from neuron_lmi.config.options import (
     ServingConfig,
     default_n_positions,
 )
-from neuron_lmi.config.sources import parse_properties, read_properties, sagemaker_model_dir
+from neuron_lmi.config.sources import (
+    parse_properties,
+    read_properties,
+    sagemaker_model_dir,
+    sagemaker_root,
+)
 
 __all__ = [
     "KEYS",
@@ -51,5 +56,6 @@ __all__ = [
     "parse_properties",
     "read_properties",
     "sagemaker_model_dir",
+    "sagemaker_root",
     "write_properties",
 ]

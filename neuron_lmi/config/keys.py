@@ -76,7 +76,12 @@ KEYS: tuple[KeySpec, ...] = (
     _opt("parallel", "tensor_parallel_degree", "TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS"),
     _opt("parallel", "group_query_attention"),
     # neuron
-    _opt("neuron", "compiled_graph_path"),
+    _opt("neuron", "model_loader"),
+    _opt("neuron", "override_neuron_config"),
+    _opt("neuron", "on_device_sampling"),
+    _opt("neuron", "save_sharded_checkpoint"),
+    _opt("neuron", "logical_nc_config", "NEURON_LOGICAL_NC_CONFIG"),
+    _opt("neuron", "compiled_graph_path", "NEURON_COMPILED_ARTIFACTS"),
     _opt("neuron", "save_mp_checkpoint_path"),
     _opt("neuron", "neuron_optimize_level"),
     _opt("neuron", "enable_saturate_infinity"),

@@ -5,7 +5,13 @@ serving.properties win over ``OPTION_*`` variables too; the one difference is th
 flags sit above both, so ``neuron-lmi serve --tensor-parallel-degree 2`` always means 2.) Only the
 winning value of a field is validated: a bad environment value shadowed by a good CLI flag is not an
 error. Every ``option.*``/non-option properties key and every ``OPTION_*``/``SERVING_*`` variable
-that the key table does not claim is listed in ``ResolvedConfig.ignored`` and logged once.
+that the key table does not claim is listed in ``ResolvedConfig.ignored`` and logged once, except
+when the vLLM backend is asked for (``--backend vllm``, ``option.backend=vllm`` or
+``option.rolling_batch=vllm``): LMI passes every ``option.<AsyncEngineArgs field>`` to vLLM, so the
+unclaimed ``option.*``/``OPTION_*`` keys are kept in ``ResolvedConfig.backend_options`` instead
+(``gpu_fallback.config`` type-checks them and reports the ones vLLM does not know), and LMI's
+``option.quantize`` is left to vLLM (its ``quantization``: awq, gptq, fp8...) rather than validated
+as a Neuron setting.
 """
 
 from __future__ import annotations
@@ -56,7 +62,9 @@ class ResolvedConfig:
     ``"serving.properties:<path>"``, ``"env:<VAR>"``, ``"model_dir:<dir>"`` or a label starting with
     ``"default"``); ``ignored`` maps each unsupported key, as written, to where it was found;
     ``properties_path`` is the file that was read, if any; ``keys`` maps each field that did not come
-    from a default to its name as written there (``OPTION_N_POSITIONS``, ``--n-positions``...).
+    from a default to its name as written there (``OPTION_N_POSITIONS``, ``--n-positions``...);
+    ``backend_options`` (vLLM only) maps each unclaimed ``option.*`` key's bare lower-case name to
+    its raw value and source, and none of them is also in ``ignored``.
     """
 
     config: ServingConfig
@@ -64,6 +72,7 @@ class ResolvedConfig:
     ignored: Mapping[str, str] = field(default_factory=dict)
     properties_path: Path | None = None
     keys: Mapping[str, str] = field(default_factory=dict)
+    backend_options: Mapping[str, Origin] = field(default_factory=dict)
 
     @property
     def ignored_keys(self) -> tuple[str, ...]:
@@ -106,6 +115,47 @@ def _collect_env(env: Mapping[str, str], origins: dict[str, Origin], ignored: di
         origins.setdefault(field_name, Origin(var, value, f"env:{var}"))
     for var in unclaimed:
         ignored[var] = f"env:{var}"
+
+
+# Shared keys that name something else when vLLM serves: LMI's option.quantize is vLLM's quantization.
+VLLM_RELEASED_FIELDS = ("quantize",)
+OPTION_PREFIX = "option."
+OPTION_ENV_PREFIX = "OPTION_"
+
+
+def backend_option_origins(
+    properties: Mapping[str, str], label: str, env: Mapping[str, str], release: tuple[str, ...] = ()
+) -> dict[str, Origin]:
+    """Every ``option.<name>`` properties key and ``OPTION_<NAME>`` variable the key table does not
+    claim (or whose field ``release`` names), by bare lower-case name; serving.properties wins over
+    the environment, as in LMI. Empty environment values count as unset."""
+    claimed_env = {var for spec in KEYS if spec.field not in release for var in spec.env_names}
+    found: dict[str, Origin] = {}
+    for var, value in env.items():
+        if var.startswith(OPTION_ENV_PREFIX) and var not in claimed_env and value.strip():
+            found[var.removeprefix(OPTION_ENV_PREFIX).lower()] = Origin(var, value, f"env:{var}")
+    for key, value in properties.items():
+        lower = key.strip().lower()
+        spec = BY_LMI.get(lower)
+        if lower.startswith(OPTION_PREFIX) and (spec is None or spec.field in release):
+            found[lower.removeprefix(OPTION_PREFIX)] = Origin(key, value, label)
+    return found
+
+
+def _passes_engine_args(origins: Mapping[str, Origin]) -> bool:
+    """Whether vLLM was asked for, so unclaimed ``option.*`` keys are its engine arguments."""
+
+    def raw(name: str) -> str:
+        return str(origins[name].value).strip().lower() if name in origins else ""
+
+    return raw("backend") == "vllm" or raw("rolling_batch") == "vllm"
+
+
+def _bare_option(key: str) -> str | None:
+    lower = key.strip().lower()
+    if lower.startswith(OPTION_PREFIX):
+        return lower.removeprefix(OPTION_PREFIX)
+    return key.removeprefix(OPTION_ENV_PREFIX).lower() if key.startswith(OPTION_ENV_PREFIX) else None
 
 
 def _validate(origins: Mapping[str, Origin]) -> ServingConfig:
@@ -208,9 +258,16 @@ def load_config(
     if path is None:
         default_path = sagemaker_model_dir(env) / PROPERTIES_NAME
         path = default_path if default_path.is_file() else None
-    if path is not None:
-        _collect_properties(read_properties(path), properties_label(path), origins, ignored)
+    properties = read_properties(path) if path is not None else {}
+    label = properties_label(path) if path is not None else ""
+    _collect_properties(properties, label, origins, ignored)
     _collect_env(env, origins, ignored)
+    backend_options: dict[str, Origin] = {}
+    if _passes_engine_args(origins):
+        for released in VLLM_RELEASED_FIELDS:
+            origins.pop(released, None)
+        backend_options = backend_option_origins(properties, label, env, VLLM_RELEASED_FIELDS)
+        ignored = {k: v for k, v in ignored.items() if _bare_option(k) not in backend_options}
 
     if "model_id" not in origins:
         for folder in _model_dir_candidates(path, env):
@@ -226,6 +283,7 @@ def load_config(
         ignored=dict(sorted(ignored.items())),
         properties_path=path,
         keys={name: origin.key for name, origin in origins.items()},
+        backend_options=dict(sorted(backend_options.items())),
     )
     if ignored:
         listed = ", ".join(f"{name} ({where})" for name, where in resolved.ignored.items())
@@ -287,6 +345,11 @@ def format_config(resolved: ResolvedConfig) -> str:
     lines = [f"{name:<{width}}  {shown:<{value_width}}  <- {source}" for name, shown, source in rows]
     if resolved.properties_path is not None:
         lines.insert(0, f"# read {resolved.properties_path}")
+    for origin in resolved.backend_options.values():
+        lines.append(
+            f"vllm engine argument: {origin.key}={origin.value} (from {origin.source}): "
+            "checked against vLLM's AsyncEngineArgs at start-up"
+        )
     for name, where in resolved.ignored.items():
         lines.append(f"ignored: {name} (from {where}): not supported by neuron-lmi")
     return "\n".join(lines) + "\n"

@@ -18,7 +18,10 @@ RollingBatch = Literal["auto", "tnx", "vllm", "cpu", "disable"]
 GroupQueryAttention = Literal["shard-over-heads", "shard-over-batch", "replicated-heads", "all-gather-heads"]
 Backend = Literal["auto", "cpu", "neuron", "vllm"]
 Engine = Literal["Python", "MPI"]
-Quantize = Literal["static_int8"]
+# LMI's option.quantize: static_int8 (transformers-neuronx), int8/int4 weight-only (NxD Inference,
+# CPU), fp8 (NxD Inference on trn2).
+Quantize = Literal["static_int8", "int8", "int4", "fp8"]
+ModelLoader = Literal["nxdi", "tnx", "vllm"]
 
 # LMI accepts torch-style names too; they all map onto the three amp names transformers-neuronx uses.
 DTYPE_ALIASES = {
@@ -207,8 +210,20 @@ class ParallelOptions(_Section):
 
 
 class NeuronOptions(_Section):
-    """transformers-neuronx compile settings; ignored by the CPU and vLLM backends."""
+    """Neuron compile settings (NxD Inference and transformers-neuronx); ignored by CPU and CUDA vLLM.
 
+    ``model_loader`` is LMI's ``option.model_loader`` (nxdi|tnx|vllm): which Neuron library serves;
+    None lets dispatch pick what imports. ``override_neuron_config`` is a JSON object merged last into
+    NxD Inference's ``NeuronConfig`` keyword arguments (and vllm-neuron's ``override_neuron_config``).
+    ``on_device_sampling`` turns on NxD Inference's on-device sampling (greedy/top-k loads only; the
+    host sampler still runs whenever a request needs log-probabilities).
+    """
+
+    model_loader: ModelLoader | None = None
+    override_neuron_config: dict[str, Any] | None = None
+    on_device_sampling: bool = False
+    save_sharded_checkpoint: bool = False
+    logical_nc_config: int | None = Field(default=None, ge=1, le=2)
     compiled_graph_path: str | None = None
     save_mp_checkpoint_path: str | None = None
     neuron_optimize_level: int | None = Field(default=None, ge=1, le=3)
@@ -216,6 +231,25 @@ class NeuronOptions(_Section):
     enable_mixed_precision_accumulation: bool = False
     quantize: Quantize | None = None
     fuse_qkv: bool = False
+
+    @field_validator("model_loader", mode="before")
+    @classmethod
+    def _loader_lower(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("override_neuron_config", mode="before")
+    @classmethod
+    def _json_object(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"must be a JSON object: {exc.msg} at column {exc.colno}") from exc
+            if not isinstance(value, dict):
+                raise ValueError("must be a JSON object (a mapping of NeuronConfig fields)")
+        return value
 
 
 class BackendOptions(_Section):

@@ -15,7 +15,9 @@ from pathlib import Path
 from neuron_lmi.config.options import ConfigError
 
 PROPERTIES_NAME = "serving.properties"
-SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
+SAGEMAKER_ROOT = Path("/opt/ml")
+SAGEMAKER_ROOT_VAR = "NEURON_LMI_SAGEMAKER_ROOT"
+SAGEMAKER_MODEL_DIR = SAGEMAKER_ROOT / "model"
 
 
 def properties_label(path: Path) -> str:
@@ -95,10 +97,20 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
+def sagemaker_root(env: Mapping[str, str]) -> Path:
+    """SageMaker's ``/opt/ml``; ``NEURON_LMI_SAGEMAKER_ROOT`` moves it (tests, local rehearsals)."""
+    value = env.get(SAGEMAKER_ROOT_VAR, "").strip()
+    return Path(value) if value else SAGEMAKER_ROOT
+
+
 def sagemaker_model_dir(env: Mapping[str, str]) -> Path:
-    """Where SageMaker unpacks ``model.tar.gz``: ``SM_MODEL_DIR`` if set, else ``/opt/ml/model``."""
+    """Where SageMaker unpacks ``model.tar.gz`` (or copies an S3 prefix): ``<sagemaker_root>/model``.
+
+    ``SM_MODEL_DIR``, when set, names the folder instead. SageMaker *hosting* never sets it (it is a
+    training-job variable), so it is only an explicit override here, never a sign of SageMaker.
+    """
     value = env.get("SM_MODEL_DIR", "").strip()
-    return Path(value) if value else SAGEMAKER_MODEL_DIR
+    return Path(value) if value else sagemaker_root(env) / "model"
 
 
 def holds_weights(folder: Path) -> bool:

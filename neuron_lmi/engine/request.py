@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from neuron_lmi.engine.detokenizer import IncrementalDetokenizer
+from neuron_lmi.engine.grammar import GrammarState
 from neuron_lmi.engine.stops import StopMatcher
 from neuron_lmi.engine.types import FinishReason, SamplingParams, TokenEvent
 
@@ -27,8 +28,10 @@ EventSink = Callable[[TokenEvent], None]
 class Request:
     """Prompt, output so far, KV row and status of one sequence.
 
-    Invariants: ``row`` is set exactly while ``status`` is RUNNING; ``output_ids`` and
-    ``logprobs`` grow together; once FINISHED, ``finish_reason`` is set and nothing changes.
+    Invariants: ``row`` is set exactly while ``status`` is RUNNING; ``prefilled`` counts the prompt
+    tokens whose K/V are in the row (computed or reused), and no token is sampled before it reaches
+    ``len(prompt_ids)``; ``output_ids`` and ``logprobs`` grow together; once FINISHED,
+    ``finish_reason`` is set and nothing changes.
     """
 
     request_id: str
@@ -38,8 +41,10 @@ class Request:
     stops: StopMatcher
     generator: torch.Generator | None
     sink: EventSink | None = None
+    grammar: GrammarState | None = None  # advanced once per generated token
     status: Status = Status.WAITING
     row: int | None = None
+    prefilled: int = 0
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -50,6 +55,10 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.prefilled >= len(self.prompt_ids)
 
     @property
     def last_token(self) -> int:

@@ -1,8 +1,20 @@
 """Batched, stateless sampling: one call per step for every row that produced logits.
 
+Every row goes through the same tensor pipeline; a feature a row does not use is a neutral value
+in its row (and a feature no row uses is skipped), so a request pays only for what it asks:
+
+    raw logits ──> log_softmax (reported log-probabilities)
+        │
+        ├─ repetition penalty (seen prompt + output tokens)    ├─ presence / frequency penalty
+        ├─ logit_bias                                          ├─ grammar mask (GrammarState)
+        ├─ min_tokens: stop tokens masked                      └─ argmax (greedy rows)
+        └─ / temperature ─> min_p ─> top_k ─> top_p ─> inverse-CDF draw (sampled rows)
+
 Reported log-probabilities are the model's own distribution (``log_softmax`` of the raw logits),
-independent of temperature and filters, as TGI and vLLM report them. Each request draws from its
-own ``torch.Generator``, so a seeded request samples the same tokens whatever else is batched.
+independent of penalties, temperature and filters, as TGI and vLLM report them. Each sampled row
+draws one uniform number from its request's own ``torch.Generator``, so a seeded request samples
+the same tokens whatever else is batched. Python loops here run over requests only, to build small
+index tensors; nothing loops over the vocabulary.
 """
 
 from __future__ import annotations
@@ -12,7 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from neuron_lmi.engine.grammar import GrammarState, allowed_tokens
 from neuron_lmi.engine.types import SamplingParams
+
+NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,31 +38,131 @@ class SampleOutput:
     top_logprobs: list[list[float]]
 
 
+def _index(lists: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) index tensors for every id of every row's list."""
+    rows = [i for i, ids in enumerate(lists) for _ in ids]
+    cols = [int(t) for ids in lists for t in ids]
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)
+
+
+def token_counts(lists: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """How often each token occurs in each row's list: ``[len(lists), vocab_size]`` fp32."""
+    counts = torch.zeros(len(lists), vocab_size)
+    rows, cols = _index(lists)
+    return counts.index_put_((rows, cols), torch.ones(len(cols)), accumulate=True)
+
+
 def apply_repetition_penalty(
     logits: torch.Tensor, histories: Sequence[Sequence[int]], penalties: Sequence[float]
 ) -> torch.Tensor:
     """CTRL-style penalty: seen tokens' positive logits are divided, negative ones multiplied."""
-    for i, (history, penalty) in enumerate(zip(histories, penalties, strict=True)):
-        if penalty == 1.0 or not history:
-            continue
-        seen = torch.tensor(sorted(set(history)), dtype=torch.long)
-        values = logits[i, seen]
-        logits[i, seen] = torch.where(values > 0, values / penalty, values * penalty)
+    penalty = torch.tensor(list(penalties), dtype=logits.dtype)[:, None]
+    seen = token_counts(histories, logits.shape[-1]) > 0
+    scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, scaled, logits)
+
+
+def apply_additive_penalties(
+    logits: torch.Tensor,
+    outputs: Sequence[Sequence[int]],
+    presence: Sequence[float],
+    frequency: Sequence[float],
+) -> torch.Tensor:
+    """OpenAI's definition, over the generated tokens only:
+    ``logits -= presence * (count > 0) + frequency * count``."""
+    counts = token_counts(outputs, logits.shape[-1])
+    pres = torch.tensor(list(presence), dtype=logits.dtype)[:, None]
+    freq = torch.tensor(list(frequency), dtype=logits.dtype)[:, None]
+    return logits - pres * (counts > 0) - freq * counts
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: Sequence[Sequence[tuple[int, float]]]) -> torch.Tensor:
+    rows = torch.tensor([i for i, bias in enumerate(biases) for _ in bias], dtype=torch.long)
+    cols = torch.tensor([t for bias in biases for t, _ in bias], dtype=torch.long)
+    values = torch.tensor([b for bias in biases for _, b in bias], dtype=logits.dtype)
+    return logits.index_put((rows, cols), values, accumulate=True)
+
+
+def apply_grammar(logits: torch.Tensor, grammars: Sequence[GrammarState | None]) -> torch.Tensor:
+    """Mask every token the row's grammar does not allow next (rows without one are untouched)."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    allowed = allowed_tokens([grammars[i] for i in rows], logits.shape[-1])  # type: ignore[misc]
+    index = torch.tensor(rows, dtype=torch.long)
+    logits[index] = logits[index].masked_fill(~allowed, NEG_INF)
     return logits
+
+
+def mask_stop_tokens(logits: torch.Tensor, rows: Sequence[int], stop_ids: Sequence[int]) -> torch.Tensor:
+    """``min_tokens``: forbid the stop tokens in ``rows``, unless nothing else is allowed there
+    (a grammar that is complete allows only EOS; the grammar wins)."""
+    index = torch.tensor(list(rows), dtype=torch.long)
+    stops = torch.tensor([t for t in stop_ids if t < logits.shape[-1]], dtype=torch.long)
+    masked = logits[index]
+    masked[:, stops] = NEG_INF
+    keep = torch.isfinite(masked).any(dim=-1)
+    logits[index[keep]] = masked[keep]
+    return logits
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Mask (to -inf) what each row's min_p, top_k and top_p exclude; ``logits`` is ``[B, vocab]``,
+    the others ``[B]`` (0, 1.0 and 0.0 disable them). The most likely token always stays."""
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, NEG_INF)
+    if not bool(((top_k > 0) & (top_k < logits.shape[-1])).any() or (top_p < 1.0).any()):
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1])[None, :]
+    k = torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, NEG_INF)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    drop = (probs.cumsum(dim=-1) - probs >= top_p[:, None]) & (ranks > 0)
+    sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
+    return torch.full_like(logits, NEG_INF).scatter(-1, order, sorted_logits)
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) everything outside the top-k and the top-p nucleus of one row."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
+    """``filter_logits`` for one row ``[vocab]``."""
+    return filter_logits(logits[None], torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([0.0]))[0]
+
+
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row by inverse CDF, from one uniform number of each row's own generator."""
+    u = torch.cat([torch.rand(1, generator=g) for g in generators])
+    cdf = probs.cumsum(dim=-1)
+    target = (1.0 - u)[:, None] * cdf[:, -1:]  # in (0, total]: never lands on a zero-mass token
+    return torch.searchsorted(cdf, target).clamp_(max=probs.shape[-1] - 1)[:, 0]
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+    grammars: Sequence[GrammarState | None],
+    stop_ids: Sequence[int],
+) -> torch.Tensor:
+    """The logits sampling chooses from: penalties, bias and masks applied (a new tensor)."""
+    x = logits.clone()
+    if any(p.repetition_penalty != 1.0 for p in params):
+        x = apply_repetition_penalty(x, histories, [p.repetition_penalty for p in params])
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        x = apply_additive_penalties(
+            x, outputs, [p.presence_penalty for p in params], [p.frequency_penalty for p in params]
+        )
+    if any(p.logit_bias for p in params):
+        x = apply_logit_bias(x, [p.logit_bias for p in params])
+    if any(g is not None for g in grammars):
+        x = apply_grammar(x, grammars)
+    early = [i for i, p in enumerate(params) if len(outputs[i]) < p.min_tokens]
+    if early and stop_ids:
+        x = mask_stop_tokens(x, early, stop_ids)
+    return x
 
 
 def sample(
@@ -55,21 +170,32 @@ def sample(
     params: Sequence[SamplingParams],
     histories: Sequence[Sequence[int]],
     generators: Sequence[torch.Generator | None],
+    outputs: Sequence[Sequence[int]] | None = None,
+    grammars: Sequence[GrammarState | None] | None = None,
+    stop_ids: Sequence[int] = (),
 ) -> SampleOutput:
-    """Choose one token per row of ``logits`` [B, vocab] (fp32)."""
+    """Choose one token per row of ``logits`` [B, vocab] (fp32).
+
+    ``histories`` are prompt + output ids (repetition penalty), ``outputs`` the generated ids alone
+    (presence/frequency penalties, ``min_tokens``), ``grammars`` each row's grammar state or None,
+    ``stop_ids`` the tokens ``min_tokens`` holds back (EOS).
+    """
+    outputs = outputs if outputs is not None else [[] for _ in params]
+    grammars = grammars if grammars is not None else [None] * len(params)
     logprobs_all = torch.log_softmax(logits, dim=-1)
-    penalized = logits
-    if any(p.repetition_penalty != 1.0 for p in params):
-        penalized = apply_repetition_penalty(
-            logits.clone(), histories, [p.repetition_penalty for p in params]
+    x = process_logits(logits, params, histories, outputs, grammars, stop_ids)
+    chosen = x.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        sub = [params[i] for i in rows]
+        temperature = torch.tensor([p.temperature for p in sub])[:, None]
+        filtered = filter_logits(
+            x[rows] / temperature,
+            torch.tensor([p.top_k for p in sub]),
+            torch.tensor([p.top_p for p in sub]),
+            torch.tensor([p.min_p for p in sub]),
         )
-    chosen = penalized.argmax(dim=-1)
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = filter_top_k_top_p(penalized[i] / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(row, dim=-1)
-        chosen[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+        chosen[rows] = draw(torch.softmax(filtered, dim=-1), [generators[i] for i in rows])
     chosen_logprobs = logprobs_all.gather(1, chosen[:, None])[:, 0]
     max_top = max((p.top_n_tokens for p in params), default=0)
     top_ids: list[list[int]] = [[] for _ in params]
@@ -80,3 +206,18 @@ def sample(
             top_ids[i] = indices[i, : p.top_n_tokens].tolist()
             top_lps[i] = values[i, : p.top_n_tokens].tolist()
     return SampleOutput(chosen.tolist(), chosen_logprobs.tolist(), top_ids, top_lps)
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, prompt_ids: Sequence[int], top_n: int
+) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """Score a prompt from its logits ``[T, vocab]`` (position t predicts token t + 1): each token's
+    log-probability given the ones before it (from the second token on, ``T - 1`` values) and the
+    ``top_n`` most likely tokens at each of those positions."""
+    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
+    targets = torch.tensor(list(prompt_ids[1:]), dtype=torch.long)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    if top_n <= 0:
+        return chosen, [[] for _ in chosen], [[] for _ in chosen]
+    values, indices = torch.topk(logprobs, top_n, dim=-1)
+    return chosen, indices.tolist(), values.tolist()

@@ -1,7 +1,14 @@
-"""The rolling-batch decision for one step: who is prefilled into a free row, who decodes.
+"""The rolling-batch decision for one step: which prompt tokens are computed, who decodes.
 
-Pure: it reads request lengths and the number of free rows and returns a ``SchedulerOutput``;
-the engine applies it. Policies are small objects so a new one never grows this file's branches.
+Pure: it reads request lengths, the number of free rows and (for prefix reuse) which token ids the
+cache's rows hold, and returns a ``SchedulerOutput``; the engine applies it. Three small policy
+objects keep ``schedule`` free of feature branches:
+
+* ``PrefillPolicy`` — how many prompt tokens a step computes: ``WholePrompts`` (every prompt in
+  one piece, within a prefill budget) or ``ChunkedPrefill`` (one budget shared with the running
+  decodes; prompts are split into chunks, so a burst of long prompts never freezes the streams);
+* ``JoinPolicy`` — what the running rows do when requests join (``InsertRows``, ``RecomputeOnJoin``);
+* ``PrefixIndex`` (``engine.prefix``) — which cached prefix a new prompt can start from.
 """
 
 from __future__ import annotations
@@ -10,56 +17,152 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from neuron_lmi.engine.prefix import PrefixHit, PrefixIndex
 from neuron_lmi.engine.request import Request, Status
+
+DEFAULT_STEP_TOKENS = 256
+DEFAULT_MIN_CHUNK = 32
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """Prompt positions ``start .. end - 1`` of ``request``, computed this step.
+
+    ``source`` is set on a newly placed request's first chunk when its first ``start`` positions
+    come from another row (prefix reuse); otherwise a chunk with ``start > 0`` continues what the
+    request's own row holds.
+    """
+
+    request: Request
+    start: int
+    end: int
+    source: PrefixHit | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.prompt_ids[self.start : self.end]
+
+    @property
+    def final(self) -> bool:
+        return self.end == len(self.request.prompt_ids)
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
-    """``prefill``: new requests to place into free rows. ``recompute``: running requests whose
-    rows are encoded again from scratch (only the recompute baseline uses it). ``decode``: running
-    requests that get one token this step."""
+    """``prefill``: new requests to place into free rows. ``chunks``: prompt spans computed this step
+    (new requests' first chunks included); a final chunk yields the request's first token.
+    ``recompute``: running requests whose rows are encoded again from scratch (only the recompute
+    baseline uses it). ``decode``: running requests that get one token this step."""
 
     prefill: list[Request] = field(default_factory=list)
+    chunks: list[PrefillChunk] = field(default_factory=list)
     recompute: list[Request] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.prefill or self.recompute or self.decode)
+        return not (self.prefill or self.chunks or self.recompute or self.decode)
+
+
+class PrefillPolicy(Protocol):
+    splits: bool  # whether prompts may be split (the runner must then support ``extend``)
+
+    def budget(self, n_decode: int) -> int:
+        """Prompt tokens this step may compute, given how many rows decode."""
+        ...
+
+    def take(self, remaining: int, budget: int, first: bool) -> int:
+        """How many of a prompt's ``remaining`` tokens to compute now (0: none this step)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class WholePrompts:
+    """Whole prompts within ``max_tokens`` per step; the first always goes, however long."""
+
+    max_tokens: int
+    splits: bool = False
+
+    def budget(self, n_decode: int) -> int:
+        return self.max_tokens
+
+    def take(self, remaining: int, budget: int, first: bool) -> int:
+        return remaining if first or remaining <= budget else 0
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkedPrefill:
+    """One budget of ``step_tokens`` per step: each decoding row costs one token and prompt chunks
+    get the rest, never less than ``min_chunk`` (so prefill progresses under any decode load). A
+    chunk shorter than ``min_chunk`` is cut only when it finishes its prompt."""
+
+    step_tokens: int = DEFAULT_STEP_TOKENS
+    min_chunk: int = DEFAULT_MIN_CHUNK
+    splits: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_chunk <= self.step_tokens:
+            raise ValueError(f"need 1 <= min_chunk ({self.min_chunk}) <= step_tokens ({self.step_tokens})")
+
+    def budget(self, n_decode: int) -> int:
+        return max(self.step_tokens - n_decode, self.min_chunk)
+
+    def take(self, remaining: int, budget: int, first: bool) -> int:
+        n = min(remaining, budget)
+        return n if n == remaining or n >= self.min_chunk else 0
 
 
 class JoinPolicy(Protocol):
-    def plan(self, admitted: list[Request], running: list[Request]) -> SchedulerOutput: ...
+    def plan(
+        self, admitted: list[Request], chunks: list[PrefillChunk], decoding: list[Request]
+    ) -> SchedulerOutput:
+        """``decoding``: running requests whose prompts are complete (the newly admitted excluded)."""
+        ...
 
 
 class InsertRows:
     """Continuous batching with the KV-row API: new rows are inserted, the others keep decoding."""
 
-    def plan(self, admitted: list[Request], running: list[Request]) -> SchedulerOutput:
-        return SchedulerOutput(prefill=admitted, decode=list(running))
+    def plan(
+        self, admitted: list[Request], chunks: list[PrefillChunk], decoding: list[Request]
+    ) -> SchedulerOutput:
+        return SchedulerOutput(prefill=admitted, chunks=chunks, decode=decoding)
 
 
 class RecomputeOnJoin:
     """The pre-cache-API baseline: whenever a request joins, every active row is encoded again."""
 
-    def plan(self, admitted: list[Request], running: list[Request]) -> SchedulerOutput:
+    def plan(
+        self, admitted: list[Request], chunks: list[PrefillChunk], decoding: list[Request]
+    ) -> SchedulerOutput:
         if admitted:
-            return SchedulerOutput(prefill=admitted, recompute=list(running))
-        return SchedulerOutput(decode=list(running))
+            return SchedulerOutput(prefill=admitted, chunks=chunks, recompute=decoding)
+        return SchedulerOutput(chunks=chunks, decode=decoding)
 
 
 class Scheduler:
-    """FCFS admission into free rows within a prefill token budget.
+    """FCFS: running requests' remaining prompt chunks first, then admission into free rows, within
+    the prefill policy's budget (``WholePrompts(max_prefill_tokens)`` unless another is given).
 
-    Invariants: a request is in exactly one of ``waiting`` and ``running`` until it finishes;
-    at least one waiting request is admitted when a row is free, however long its prompt.
+    Invariants: a request is in exactly one of ``waiting`` and ``running`` until it finishes; at
+    least one prompt makes progress whenever one is pending and a row is free; a request decodes
+    only once its whole prompt is in its row. ``schedule`` advances ``Request.prefilled`` to the end
+    of each planned chunk (the engine fails a request whose step fails).
     """
 
-    def __init__(self, max_prefill_tokens: int, policy: JoinPolicy | None = None) -> None:
+    def __init__(
+        self,
+        max_prefill_tokens: int,
+        policy: JoinPolicy | None = None,
+        prefill: PrefillPolicy | None = None,
+        prefix: PrefixIndex | None = None,
+    ) -> None:
         if max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens
         self.policy = policy or InsertRows()
+        self.prefill = prefill or WholePrompts(max_prefill_tokens)
+        self.prefix = prefix
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -67,19 +170,43 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self, free_rows: int) -> SchedulerOutput:
-        admitted: list[Request] = []
-        budget = self.max_prefill_tokens
-        while self.waiting and len(admitted) < free_rows:
-            cost = len(self.waiting[0].all_ids)
-            if admitted and cost > budget:
+        decoding = [r for r in self.running if r.prompt_done]
+        budget = self.prefill.budget(len(decoding))
+        chunks: list[PrefillChunk] = []
+        for request in self.running:
+            if request.prompt_done:
+                continue
+            n = self.prefill.take(len(request.prompt_ids) - request.prefilled, budget, first=not chunks)
+            if n == 0:
                 break
-            admitted.append(self.waiting.popleft())
-            budget -= cost
-        decision = self.policy.plan(admitted, self.running)
+            chunks.append(PrefillChunk(request, request.prefilled, request.prefilled + n))
+            budget -= n
+        admitted = self._admit(free_rows, budget, chunks)
+        decision = self.policy.plan(admitted, chunks, decoding)
+        for chunk in chunks:
+            chunk.request.prefilled = chunk.end
         for request in admitted:
             request.status = Status.RUNNING
             self.running.append(request)
         return decision
+
+    def _admit(self, free_rows: int, budget: int, chunks: list[PrefillChunk]) -> list[Request]:
+        admitted: list[Request] = []
+        claimed: set[int] = set()  # retained rows already taken over this step
+        while self.waiting and len(admitted) < free_rows:
+            request = self.waiting[0]
+            hit = self.prefix.match(request.prompt_ids, self.running, claimed) if self.prefix else None
+            start = hit.length if hit else 0
+            n = self.prefill.take(len(request.prompt_ids) - start, budget, first=not chunks)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            if hit is not None and hit.retained:
+                claimed.add(hit.row)
+            admitted.append(request)
+            chunks.append(PrefillChunk(request, start, start + n, hit))
+            budget -= n
+        return admitted
 
     def remove(self, request: Request) -> None:
         """Forget a finished or aborted request, wherever it is."""

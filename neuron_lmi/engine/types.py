@@ -7,7 +7,11 @@ vLLM adapter can share it without sharing any behaviour.
 from __future__ import annotations
 
 import enum
+import json
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class FinishReason(enum.StrEnum):
@@ -42,6 +46,53 @@ class EngineDeadError(RuntimeError):
 
 MAX_STOP_SEQUENCES = 16
 MAX_TOP_N_TOKENS = 20
+MAX_LOGIT_BIAS = 100.0
+MAX_ADDITIVE_PENALTY = 2.0
+
+
+class GrammarKind(enum.StrEnum):
+    """What ``GrammarSpec.value`` holds (vLLM's structured-output kinds, by their usual names)."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON Schema, as canonical JSON text
+    JSON_OBJECT = "json_object"  # any JSON object; value is ""
+    REGEX = "regex"  # a regular expression the whole output matches
+    EBNF = "ebnf"  # a context-free grammar, GBNF (llama.cpp) or Lark syntax
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A constraint on a request's whole output; hashable, so compiled grammars cache on it.
+
+    Build one with the constructors (``GrammarSpec.json_schema(schema_dict)``...): a JSON schema is
+    stored as canonical JSON text, so equal schemas share one compiled grammar.
+    """
+
+    kind: GrammarKind
+    value: str = ""
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any] | bool | str) -> GrammarSpec:
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        return cls(GrammarKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True, separators=(",", ":")))
+
+    @classmethod
+    def json_object(cls) -> GrammarSpec:
+        return cls(GrammarKind.JSON_OBJECT)
+
+    @classmethod
+    def regex(cls, pattern: str) -> GrammarSpec:
+        return cls(GrammarKind.REGEX, pattern)
+
+    @classmethod
+    def ebnf(cls, grammar: str) -> GrammarSpec:
+        return cls(GrammarKind.EBNF, grammar)
+
+    def schema(self) -> Any:
+        """The JSON schema (``{"type": "object"}`` for JSON_OBJECT); None for regex and EBNF."""
+        if self.kind is GrammarKind.JSON_OBJECT:
+            return {"type": "object"}
+        return json.loads(self.value) if self.kind is GrammarKind.JSON_SCHEMA else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +116,26 @@ class SamplingParams:
     # Whether the caller reads per-token log-probabilities. A backend where they cost extra (vLLM)
     # may skip them when False and report 0.0; the CPU engine computes them anyway.
     logprobs: bool = True
+    # Whether the caller reads tokens as they come. False lets a backend deliver the result at once
+    # (vLLM's FINAL_ONLY output, as vLLM's server does for non-streaming requests).
+    stream: bool = True
+    # Sampling fields the request left unset (they hold neutral values here). A backend that knows
+    # the model's defaults (vLLM reads generation_config.json) fills these, as vLLM's server does.
+    unset: frozenset[str] = frozenset()
+    # OpenAI's additive penalties over the generated tokens: logits -= presence * (count > 0)
+    # + frequency * count. Both in [-2, 2]; 0 disables.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # (token id, bias) pairs added to the logits before sampling, bias in [-100, 100].
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # EOS is masked until this many tokens were generated (stop strings still end the text).
+    min_tokens: int = 0
+    # Tokens whose probability is below ``min_p`` x the most likely token's are dropped (0 disables).
+    min_p: float = 0.0
+    # Constrains the whole output (JSON schema, regex, grammar); None costs nothing.
+    grammar: GrammarSpec | None = None
+    # Score the prompt: None no, 0 each prompt token's log-probability, k > 0 also k alternatives.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -104,6 +175,35 @@ class SamplingParams:
             )
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed!r}", "seed")
+        self._validate_extras()
+
+    def _validate_extras(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and abs(value) <= MAX_ADDITIVE_PENALTY):
+                limit = f"{MAX_ADDITIVE_PENALTY:g}"
+                raise InvalidRequestError(f"{name} must be in [-{limit}, {limit}], got {value!r}", name)
+        for token, bias in self.logit_bias:
+            if not isinstance(token, int) or token < 0:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {token!r}", "logit_bias")
+            if not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
+                raise InvalidRequestError(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {bias!r} for token {token}",
+                    "logit_bias",
+                )
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens!r}",
+                "min_tokens",
+            )
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_N_TOKENS:
+            raise InvalidRequestError(
+                f"prompt_logprobs must be in [0, {MAX_TOP_N_TOKENS}], got {self.prompt_logprobs!r}",
+                "prompt_logprobs",
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,15 +236,19 @@ class TokenEvent:
     top_tokens: tuple[TopToken, ...] = ()
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # The scored prompt (``SamplingParams.prompt_logprobs``), on a request's first event only.
+    prompt: tuple[PromptToken, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class PromptToken:
-    """A prompt token for LMI/TGI's ``decoder_input_details``."""
+    """A prompt token with its log-probability given the tokens before it (None for the first),
+    and the most likely alternatives at its position when asked for (``prompt_logprobs > 0``)."""
 
     id: int
     text: str
     logprob: float | None
+    top: tuple[TopToken, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,17 +8,23 @@ import torch
 
 from neuron_lmi.models.args import ModelArgs, model_args_from_config
 from neuron_lmi.models.llama import LlamaForCausalLM
+from neuron_lmi.models.mixtral import MixtralForCausalLM
+from neuron_lmi.models.quant import QuantizedTensor
 from neuron_lmi.models.weights import load_hf_weights
 
-# Mistral is Llama plus a sliding window, which ModelArgs carries.
+# Mistral is Llama plus a sliding window, which ModelArgs carries; Mixtral adds experts.
 ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 
 def build_model(
-    config: Any, state_dict: dict[str, torch.Tensor], n_positions: int, dtype: torch.dtype = torch.float32
+    config: Any,
+    state_dict: dict[str, torch.Tensor | QuantizedTensor],
+    n_positions: int,
+    dtype: torch.dtype = torch.float32,
 ) -> LlamaForCausalLM:
     """Instantiate the registered implementation for ``config`` and load ``state_dict`` into it."""
     args = model_args_from_config(config)
@@ -28,8 +34,17 @@ def build_model(
             f"unsupported architecture {args.architecture!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
         )
     model = model_cls(args, n_positions=n_positions, dtype=dtype)
-    load_hf_weights(model, {k: v.to(dtype) for k, v in state_dict.items()})
+    # QuantizedTensors (a GGUF file's codes) keep their own format; the loader places them.
+    cast = {k: v if isinstance(v, QuantizedTensor) else v.to(dtype) for k, v in state_dict.items()}
+    load_hf_weights(model, cast)
     return model.eval()
 
 
-__all__ = ["ARCHITECTURES", "LlamaForCausalLM", "ModelArgs", "build_model", "model_args_from_config"]
+__all__ = [
+    "ARCHITECTURES",
+    "LlamaForCausalLM",
+    "MixtralForCausalLM",
+    "ModelArgs",
+    "build_model",
+    "model_args_from_config",
+]

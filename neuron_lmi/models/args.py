@@ -21,9 +21,35 @@ class RopeSpec:
     attention_factor: float | None = None
 
 
+# Families whose attention honours ``config.sliding_window`` (Llama configs carry none).
+SLIDING_WINDOW_MODEL_TYPES = frozenset({"mistral", "mixtral"})
+SLIDING_WINDOW_ARCHITECTURES = frozenset({"MistralForCausalLM", "MixtralForCausalLM"})
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """A sparse mixture of experts: ``n_experts`` SwiGLU experts (each of the model's
+    ``intermediate_size``), ``top_k`` of them per token. Invariant: ``1 <= top_k <= n_experts``."""
+
+    n_experts: int
+    top_k: int
+
+    def __post_init__(self) -> None:
+        if self.n_experts < 1:
+            raise ValueError(f"model config: num_local_experts must be positive, got {self.n_experts!r}")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(
+                f"model config: num_experts_per_tok must be in [1, num_local_experts={self.n_experts}], "
+                f"got {self.top_k!r}"
+            )
+
+
 @dataclass(frozen=True, slots=True)
 class ModelArgs:
-    """Everything the torch Llama/Mistral implementation needs; validated on construction."""
+    """Everything the torch Llama/Mistral/Mixtral implementation needs; validated on construction.
+
+    ``moe`` is ``None`` for a dense MLP; with experts, ``intermediate_size`` is each expert's.
+    """
 
     architecture: str
     vocab_size: int
@@ -42,6 +68,7 @@ class ModelArgs:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    moe: MoeSpec | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads", "n_kv_heads"):
@@ -106,7 +133,8 @@ def model_args_from_config(config: Any) -> ModelArgs:
     hidden = int(_get(config, "hidden_size"))
     head_dim = _get(config, "head_dim") or hidden // n_heads
     model_type = _get(config, "model_type")
-    sliding = _get(config, "sliding_window") if model_type == "mistral" or "Mistral" in architecture else None
+    windowed = model_type in SLIDING_WINDOW_MODEL_TYPES or architecture in SLIDING_WINDOW_ARCHITECTURES
+    sliding = _get(config, "sliding_window") if windowed else None
     return ModelArgs(
         architecture=architecture,
         vocab_size=int(_get(config, "vocab_size")),
@@ -125,4 +153,12 @@ def model_args_from_config(config: Any) -> ModelArgs:
         mlp_bias=bool(_get(config, "mlp_bias", False)),
         bos_token_id=_get(config, "bos_token_id"),
         eos_token_ids=_eos_ids(config),
+        moe=_moe_spec(config),
     )
+
+
+def _moe_spec(config: Any) -> MoeSpec | None:
+    n_experts = _get(config, "num_local_experts")
+    if n_experts is None:
+        return None
+    return MoeSpec(n_experts=int(n_experts), top_k=int(_get(config, "num_experts_per_tok", 2)))

@@ -5,7 +5,8 @@ Invariants of what :func:`read_gguf` returns:
 * tensor names are Hugging Face Llama names (``model.layers.{i}.self_attn.q_proj.weight``, ...);
   ``lm_head.weight`` is absent exactly when the file has no ``output.weight`` (tied embeddings);
 * tensors are dense, contiguous, in the requested dtype, shaped ``(out_features, in_features)`` like
-  ``nn.Linear.weight``;
+  ``nn.Linear.weight`` -- except, with ``keep_quantized``, Q4_0/Q4_1/Q8_0 tensors, which come back as
+  :class:`~neuron_lmi.models.quant.QuantizedTensor` holding the file's own codes (never expanded);
 * the rows of ``q_proj``/``k_proj`` are back in Hugging Face's rotary order: llama.cpp's converter
   interleaves the two rotary halves of every head, and this module undoes that;
 * ``tokenizer_kwargs`` carries the file's ``add_bos_token``/``add_eos_token`` flags for
@@ -24,6 +25,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from neuron_lmi.models.quant import QuantizedTensor
 
 # GGUF's per-architecture metadata keys (after "<arch>.") -> transformers config field.
 _CONFIG_KEYS: dict[str, str] = {
@@ -77,12 +80,13 @@ class GGUFCheckpoint:
 
     model_type: str
     config_fields: dict[str, Any]
-    state_dict: dict[str, torch.Tensor]
+    state_dict: dict[str, torch.Tensor | QuantizedTensor]
     tokenizer_kwargs: dict[str, Any]
 
 
-def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
-    """Parse and dequantize ``path``; every failure is a ``ValueError`` naming the file."""
+def read_gguf(path: Path, dtype: torch.dtype = torch.float32, keep_quantized: bool = False) -> GGUFCheckpoint:
+    """Parse and dequantize ``path`` (Q4_0/Q4_1/Q8_0 tensors stay quantized with ``keep_quantized``);
+    every failure is a ``ValueError`` naming the file."""
     import gguf
 
     try:
@@ -101,6 +105,9 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
     state_dict: dict[str, torch.Tensor] = {}
     rope_freqs = None
     for tensor in reader.tensors:  # one at a time, so only one dequantized fp32 copy is alive
+        if keep_quantized and tensor.tensor_type.name in _BLOCK_FORMATS:
+            state_dict[_hf_name(tensor.name, path)] = _kept(tensor, fields)
+            continue
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except Exception as exc:
@@ -229,6 +236,47 @@ def _to_torch(array: np.ndarray, name: str, fields: dict[str, Any], dtype: torch
     elif name.endswith(".attn_k.weight"):
         tensor = unpermute_rotary_rows(tensor, fields["num_key_value_heads"])
     return tensor.to(dtype).contiguous()
+
+
+def _kept(tensor: Any, fields: dict[str, Any]) -> QuantizedTensor:
+    """A Q4_0/Q4_1/Q8_0 tensor's blocks as codes and per-32 scales, rows in Hugging Face order."""
+    q = _BLOCK_FORMATS[tensor.tensor_type.name](np.asarray(tensor.data))
+    if tensor.name.endswith(".attn_q.weight"):
+        return q.map_rows(lambda t: unpermute_rotary_rows(t, fields["num_attention_heads"]))
+    if tensor.name.endswith(".attn_k.weight"):
+        return q.map_rows(lambda t: unpermute_rotary_rows(t, fields["num_key_value_heads"]))
+    return q
+
+
+def _f16(raw: np.ndarray) -> torch.Tensor:
+    """Two bytes per block (the last axis) read as a float16 scale -> fp32 ``[rows, blocks]``."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
+
+
+def _q4_blocks(raw: np.ndarray, with_min: bool) -> QuantizedTensor:
+    """ggml Q4_0 (d, 16 bytes) and Q4_1 (d, m, 16 bytes) blocks of 32: byte j holds element j in its
+    low nibble and element j + 16 in its high one; w = d * (q - 8) or d * q + m."""
+    head = 4 if with_min else 2
+    blocks = raw.reshape(raw.shape[0], -1, head + 16)
+    d, qs = _f16(blocks[..., :2]), blocks[..., head:]
+    codes = torch.from_numpy(np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(raw.shape[0], -1))
+    zero = _f16(blocks[..., 2:4]) + 8 * d if with_min else torch.zeros_like(d)
+    return QuantizedTensor(4, 32, codes, d, zero)
+
+
+def _q8_blocks(raw: np.ndarray) -> QuantizedTensor:
+    """ggml Q8_0 blocks of 32: a float16 d and 32 int8 codes; w = d * q."""
+    blocks = raw.reshape(raw.shape[0], -1, 34)
+    codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(raw.shape[0], -1)
+    return QuantizedTensor(8, 32, torch.from_numpy(codes.copy()), _f16(blocks[..., :2]))
+
+
+# GGML block formats read without dequantizing (the rest are expanded and quantized, if asked, later).
+_BLOCK_FORMATS = {
+    "Q4_0": lambda raw: _q4_blocks(raw, with_min=False),
+    "Q4_1": lambda raw: _q4_blocks(raw, with_min=True),
+    "Q8_0": _q8_blocks,
+}
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:

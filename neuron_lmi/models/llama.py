@@ -2,13 +2,16 @@
 
 The model holds weights only. Prefill returns every layer's keys and values so the runner can
 insert them into a ``cache_api`` row; decode writes one position per row into the cache tensors it
-is given (``cache_api.write_step``) and attends over the first ``attn_len`` positions. Weights are
-fused (q|k|v and gate|up) so a layer costs three matmuls and one attention.
+is given (``cache_api.write_step``) and attends over the first ``attn_len`` positions; extend does
+the same for a chunk of T tokens per row, appended after what the row already holds (chunked
+prefill, prefix reuse). Weights are fused (q|k|v and gate|up) so a layer costs three matmuls and
+one attention.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +19,7 @@ from torch import nn
 
 from cache_api import KVCache, write_step
 from neuron_lmi.models.args import ModelArgs
+from neuron_lmi.models.quant import linear
 from neuron_lmi.models.rope import Rotary, apply_rotary
 
 
@@ -24,6 +28,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    """A zero-filled frozen weight, filled later by ``weights.load_hf_weights``."""
+    return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,50 +49,76 @@ class DecodeInputs:
     row_slice: slice | None  # ``rows`` as a slice when they are an ascending run
 
 
+@dataclass(frozen=True, slots=True)
+class ExtendInputs:
+    """What every layer of one extend step shares: each row gets a chunk of up to T tokens.
+
+    ``valid`` marks the real tokens of the right-padded chunks; their K/V are written at
+    ``write_rows``/``write_positions`` (in ``valid``'s row-major order). Padding queries repeat a
+    row's last real position, so they stay in range and are simply dropped.
+    """
+
+    rows: torch.Tensor  # [n] KV-cache rows
+    valid: torch.Tensor  # [n, T] bool
+    write_rows: torch.Tensor  # [N real tokens]
+    write_positions: torch.Tensor  # [N real tokens]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor  # [n, 1, T, attn_len] bool: causal over prefix + chunk, sliding window
+    attn_len: int
+    scale: float
+    row_slice: slice | None
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm block. Head counts are attributes so a tensor-parallel shard can hold fewer.
 
     ``prefill_step``/``decode_step`` are the whole block; the model loops over them, so a layer
     with the same two methods (``parallel.tp_model.ShardedDecoderLayer``) can stand in for it.
+    Every matmul goes through ``quant.linear``, so a weight named in ``linear_weights`` may be a
+    dense tensor or a ``QuantizedLinear`` (``models.quantize.quantize_model``).
     """
+
+    # The [out, in] matmul weights (a 3-D one is one matrix per expert); biases and norms stay dense.
+    linear_weights: ClassVar[tuple[str, ...]] = ("wqkv", "wo", "w_gate_up", "w_down")
 
     def __init__(self, args: ModelArgs, n_heads: int, n_kv_heads: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, args.head_dim
         self.eps = args.rms_norm_eps
         qkv_out = (n_heads + 2 * n_kv_heads) * args.head_dim
+        self.input_norm = param((args.hidden_size,), dtype)
+        self.post_norm = param((args.hidden_size,), dtype)
+        self.wqkv = param((qkv_out, args.hidden_size), dtype)
+        self.bqkv = param((qkv_out,), dtype) if args.attention_bias else None
+        self.wo = param((args.hidden_size, n_heads * args.head_dim), dtype)
+        self.bo = param((args.hidden_size,), dtype) if args.attention_bias else None
+        self.init_mlp(args, dtype)
 
-        def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
-
-        self.input_norm = param(args.hidden_size)
-        self.post_norm = param(args.hidden_size)
-        self.wqkv = param(qkv_out, args.hidden_size)
-        self.bqkv = param(qkv_out) if args.attention_bias else None
-        self.wo = param(args.hidden_size, n_heads * args.head_dim)
-        self.bo = param(args.hidden_size) if args.attention_bias else None
-        self.w_gate_up = param(2 * args.intermediate_size, args.hidden_size)
-        self.b_gate_up = param(2 * args.intermediate_size) if args.mlp_bias else None
-        self.w_down = param(args.hidden_size, args.intermediate_size)
-        self.b_down = param(args.hidden_size) if args.mlp_bias else None
+    def init_mlp(self, args: ModelArgs, dtype: torch.dtype) -> None:
+        """The feed-forward weights; a subclass with another MLP (``mixtral``) overrides this and ``mlp``."""
+        self.w_gate_up = param((2 * args.intermediate_size, args.hidden_size), dtype)
+        self.b_gate_up = param((2 * args.intermediate_size,), dtype) if args.mlp_bias else None
+        self.w_down = param((args.hidden_size, args.intermediate_size), dtype)
+        self.b_down = param((args.hidden_size,), dtype) if args.mlp_bias else None
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, T, hidden] -> q [B, H, T, D], k and v [B, KVH, T, D]."""
         b, t, _ = x.shape
         h = rms_norm(x, self.input_norm, self.eps)
-        qkv = F.linear(h, self.wqkv, self.bqkv).view(b, t, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        qkv = linear(h, self.wqkv, self.bqkv).view(b, t, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def attn_out(self, attn: torch.Tensor) -> torch.Tensor:
         """[B, H, T, D] -> [B, T, hidden] (partial sum under tensor parallelism)."""
         b, _, t, _ = attn.shape
-        return F.linear(attn.transpose(1, 2).reshape(b, t, -1), self.wo, self.bo)
+        return linear(attn.transpose(1, 2).reshape(b, t, -1), self.wo, self.bo)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, self.post_norm, self.eps)
-        gate, up = F.linear(h, self.w_gate_up, self.b_gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w_down, self.b_down)
+        gate, up = linear(h, self.w_gate_up, self.b_gate_up).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.w_down, self.b_down)
 
     def prefill_step(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, scale: float
@@ -106,6 +141,23 @@ class DecoderLayer(nn.Module):
         rows = step.row_slice if step.row_slice is not None else step.rows
         k_all, v_all = k_layer[rows, :, : step.attn_len], v_layer[rows, :, : step.attn_len]
         x = x + self.attn_out(grouped_decode_attention(q, k_all, v_all, step.mask, step.scale))
+        return x + self.mlp(x)
+
+    def extend_step(
+        self, x: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, step: ExtendInputs
+    ) -> torch.Tensor:
+        """[n, T, hidden] -> next hidden; writes the chunk's K/V into the cache first, then attends
+        over the row's first ``attn_len`` positions (cached prefix + this chunk)."""
+        q, k, v = self.qkv(x)
+        q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
+        k_new, v_new = k.transpose(1, 2)[step.valid], v.transpose(1, 2)[step.valid]
+        write_step(k_layer, v_layer, step.write_rows, step.write_positions, k_new, v_new)
+        rows = step.row_slice if step.row_slice is not None else step.rows
+        k_all, v_all = k_layer[rows, :, : step.attn_len], v_layer[rows, :, : step.attn_len]
+        attn = F.scaled_dot_product_attention(
+            q, k_all, v_all, attn_mask=step.mask, scale=step.scale, enable_gqa=True
+        )
+        x = x + self.attn_out(attn)
         return x + self.mlp(x)
 
 
@@ -132,6 +184,8 @@ class LlamaForCausalLM(nn.Module):
     returns the same logits whatever other rows hold.
     """
 
+    layer_cls: ClassVar[type[DecoderLayer]] = DecoderLayer  # Mixtral swaps in its MoE layer
+
     def __init__(self, args: ModelArgs, n_positions: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.args, self.dtype, self.n_positions = args, dtype, n_positions
@@ -139,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
             torch.zeros(args.vocab_size, args.hidden_size, dtype=dtype), requires_grad=False
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(args, args.n_heads, args.n_kv_heads, dtype) for _ in range(args.n_layers)
+            self.layer_cls(args, args.n_heads, args.n_kv_heads, dtype) for _ in range(args.n_layers)
         )
         self.norm = nn.Parameter(torch.zeros(args.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = (
@@ -158,7 +212,12 @@ class LlamaForCausalLM(nn.Module):
         return KVCache(a.n_layers, n_rows, a.n_kv_heads, n_positions, a.head_dim, dtype=self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(hidden, self.norm, self.args.rms_norm_eps), self.lm_head).float()
+        return linear(rms_norm(hidden, self.norm, self.args.rms_norm_eps), self.lm_head).float()
+
+    @property
+    def supports_extend(self) -> bool:
+        """Whether every layer has ``extend_step`` (a tensor-parallel model's sharded layers do not)."""
+        return all(isinstance(layer, DecoderLayer) for layer in self.layers)
 
     def window_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """Causal (and sliding-window) visibility, True where query at q_pos may see key at k_pos."""
@@ -242,6 +301,39 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer.decode_step(x, k_cache[i], v_cache[i], step)
         return self.logits(x[:, 0])
+
+    @torch.inference_mode()
+    def extend(
+        self,
+        tokens: torch.Tensor,
+        rows: torch.Tensor,
+        starts: torch.Tensor,
+        lengths: list[int],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn_len: int,
+    ) -> torch.Tensor:
+        """Append right-padded chunks ``tokens`` [n, T] to ``rows``, which hold ``starts`` positions.
+
+        Row i's chunk fills positions ``starts[i] .. starts[i] + lengths[i] - 1``, attending causally
+        over its cached prefix and itself (the sliding window respected); returns the logits of each
+        chunk's last token [n, vocab]. ``attn_len`` >= every ``starts[i] + lengths[i]``.
+        """
+        n, t = tokens.shape
+        lengths_t = torch.tensor(lengths, dtype=torch.long)
+        ends = starts + lengths_t
+        valid = torch.arange(t)[None, :] < lengths_t[:, None]
+        positions = torch.where(valid, starts[:, None] + torch.arange(t)[None, :], (ends - 1)[:, None])
+        cos, sin = self.rotary.lookup(positions, seq_lens=ends.tolist())
+        mask = self.window_mask(positions[:, :, None], torch.arange(attn_len)[None, None, :]).unsqueeze(1)
+        step = ExtendInputs(
+            rows, valid, rows.repeat_interleave(lengths_t), positions[valid], cos, sin, mask,
+            attn_len, self.scale, _contiguous(rows),
+        )  # fmt: skip
+        x = F.embedding(tokens, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = layer.extend_step(x, k_cache[i], v_cache[i], step)
+        return self.logits(x[torch.arange(n), lengths_t - 1])
 
 
 def _contiguous(rows: torch.Tensor) -> slice | None:

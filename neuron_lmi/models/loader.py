@@ -1,13 +1,14 @@
-"""Load a Llama/Mistral checkpoint (Hugging Face directory or GGUF file) into HF-named tensors.
+"""Load a Llama/Mistral/Mixtral checkpoint (Hugging Face directory or GGUF file) into HF-named tensors.
 
 Invariants of every :class:`LoadedCheckpoint` this module returns:
 
-* ``config`` is a ``LlamaConfig`` or ``MistralConfig`` with ``architectures`` set to one entry of
-  :data:`ARCHITECTURES`;
+* ``config`` is a ``LlamaConfig``, ``MistralConfig`` or ``MixtralConfig`` with ``architectures``
+  set to one entry of :data:`ARCHITECTURES`;
 * ``state_dict`` holds exactly the names of :func:`expected_parameter_names` with the shapes of
   :func:`expected_shapes`; ``lm_head.weight`` is absent exactly when ``config.tie_word_embeddings``
   (the model reuses ``model.embed_tokens.weight``);
-* floating tensors are contiguous and in the requested dtype.
+* floating tensors are contiguous and in the requested dtype; with ``keep_quantized``, a GGUF file's
+  Q4_0/Q4_1/Q8_0 tensors are :class:`~neuron_lmi.models.quant.QuantizedTensor`\ s instead.
 
 Every rejected checkpoint raises ``FileNotFoundError`` or ``ValueError`` whose message names the file.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,20 +27,45 @@ import transformers
 
 from neuron_lmi.models.builtin import BUILTIN_MODELS, resolve_builtin
 from neuron_lmi.models.gguf_loader import read_gguf
+from neuron_lmi.models.quant import QuantizedTensor
+
+
+def dense_mlp_shapes(config: transformers.PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """One layer's SwiGLU MLP tensors (Llama/Mistral names) and their shapes."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
+
+
+def moe_mlp_shapes(config: transformers.PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """One layer's Mixtral sparse-MoE tensors: the router and ``w1``/``w3``/``w2`` of every expert."""
+    hidden, inter, n_experts = config.hidden_size, config.intermediate_size, config.num_local_experts
+    shapes = {"block_sparse_moe.gate.weight": (n_experts, hidden)}
+    for e in range(n_experts):
+        expert = f"block_sparse_moe.experts.{e}."
+        shapes |= {expert + "w1.weight": (inter, hidden), expert + "w3.weight": (inter, hidden)}
+        shapes[expert + "w2.weight"] = (hidden, inter)
+    return shapes
 
 
 @dataclass(frozen=True)
 class Architecture:
-    """A supported model family: its transformers config class and ``architectures`` entry."""
+    """A supported model family: its transformers config class, ``architectures`` entry and the
+    per-layer MLP tensors it stores (attention and norm tensors are common to every family)."""
 
     config_cls: type[transformers.PretrainedConfig]
     architecture: str
+    mlp_shapes: Callable[[transformers.PretrainedConfig], dict[str, tuple[int, ...]]] = dense_mlp_shapes
 
 
 # transformers model_type -> family. Add a family here, never as a branch in the loading code.
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(transformers.LlamaConfig, "LlamaForCausalLM"),
     "mistral": Architecture(transformers.MistralConfig, "MistralForCausalLM"),
+    "mixtral": Architecture(transformers.MixtralConfig, "MixtralForCausalLM", moe_mlp_shapes),
 }
 
 CONFIG_FILE = "config.json"
@@ -56,7 +83,7 @@ class LoadedCheckpoint:
     """A checkpoint ready for the torch model; see the module docstring for the invariants."""
 
     config: transformers.PretrainedConfig
-    state_dict: dict[str, torch.Tensor] = field(repr=False)
+    state_dict: dict[str, torch.Tensor | QuantizedTensor] = field(repr=False)
     tokenizer_dir: Path
     tokenizer_kwargs: dict[str, Any]
     source: str
@@ -76,13 +103,16 @@ def resolve_model_path(model: str) -> Path:
     )
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
-    """Load the HF directory or GGUF file at ``path`` with floating tensors cast to ``dtype``."""
+def load_checkpoint(
+    path: str | Path, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
+) -> LoadedCheckpoint:
+    """Load the HF directory or GGUF file at ``path`` with floating tensors cast to ``dtype``
+    (``keep_quantized``: a GGUF file's Q4/Q8 block tensors stay in their codes)."""
     path = Path(path).expanduser()
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
     if path.is_file() and path.suffix == ".gguf":
-        ckpt = _load_gguf(path, dtype)
+        ckpt = _load_gguf(path, dtype, keep_quantized)
     elif path.is_dir():
         ckpt = _load_hf_dir(path, dtype)
     else:
@@ -126,8 +156,8 @@ def _use_config_special_tokens(tok: Any, config: transformers.PretrainedConfig, 
 
 
 def expected_shapes(config: transformers.PretrainedConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter the Llama/Mistral model needs, by Hugging Face name, with its shape."""
-    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    """Every parameter the model needs, by Hugging Face name, with its shape."""
+    hidden, vocab = config.hidden_size, config.vocab_size
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     q_rows, kv_rows = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     shapes: dict[str, tuple[int, ...]] = {
@@ -141,9 +171,7 @@ def expected_shapes(config: transformers.PretrainedConfig) -> dict[str, tuple[in
         "self_attn.k_proj.weight": (kv_rows, hidden),
         "self_attn.v_proj.weight": (kv_rows, hidden),
         "self_attn.o_proj.weight": (hidden, q_rows),
-        "mlp.gate_proj.weight": (inter, hidden),
-        "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
+        **ARCHITECTURES[config.model_type].mlp_shapes(config),
         "input_layernorm.weight": (hidden,),
         "post_attention_layernorm.weight": (hidden,),
     }
@@ -158,7 +186,7 @@ def expected_parameter_names(config: transformers.PretrainedConfig) -> list[str]
 
 
 def _check_state_dict(
-    config: transformers.PretrainedConfig, state_dict: dict[str, torch.Tensor], source: str
+    config: transformers.PretrainedConfig, state_dict: dict[str, torch.Tensor | QuantizedTensor], source: str
 ) -> None:
     shapes = expected_shapes(config)
     missing = sorted(set(shapes) - set(state_dict))
@@ -174,8 +202,8 @@ def _check_state_dict(
             )
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedCheckpoint:
-    gguf_ckpt = read_gguf(path, dtype)
+def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool) -> LoadedCheckpoint:
+    gguf_ckpt = read_gguf(path, dtype, keep_quantized)
     arch = ARCHITECTURES[gguf_ckpt.model_type]
     config = arch.config_cls(**gguf_ckpt.config_fields, architectures=[arch.architecture])
     tokenizer_kwargs = {"gguf_file": path.name, **gguf_ckpt.tokenizer_kwargs}

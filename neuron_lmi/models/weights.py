@@ -1,13 +1,27 @@
-"""Copy a Hugging Face-named state dict into the fused parameters of ``LlamaForCausalLM``."""
+"""Copy a Hugging Face-named state dict into the fused parameters of ``LlamaForCausalLM`` (and its
+subclasses: the MLP of each layer class is filled by its entry in ``MLP_LOADERS``).
+
+A matmul weight may arrive as a ``QuantizedTensor`` (a GGUF file's own Q4/Q8 codes): it is fused
+with ``cat_rows`` like a dense one and takes its parameter's place as a ``QuantizedLinear``
+(``_put``); embeddings and norms are always dense.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch import nn
 
-from neuron_lmi.models.llama import LlamaForCausalLM
+from neuron_lmi.models.args import ModelArgs
+from neuron_lmi.models.llama import DecoderLayer, LlamaForCausalLM
+from neuron_lmi.models.mixtral import MixtralDecoderLayer
+from neuron_lmi.models.quant import QuantizedTensor, cat_rows, to_linear
+
+Tensor = torch.Tensor | QuantizedTensor
 
 
-def _take(state: dict[str, torch.Tensor], name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+def _take(state: dict[str, Tensor], name: str, shape: tuple[int, ...] | None = None) -> Tensor:
     if name not in state:
         raise ValueError(f"checkpoint is missing tensor {name!r}")
     tensor = state.pop(name)
@@ -16,49 +30,82 @@ def _take(state: dict[str, torch.Tensor], name: str, shape: tuple[int, ...] | No
     return tensor
 
 
+def _dense(tensor: Tensor) -> torch.Tensor:
+    return tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
+
+
+def _put(owner: nn.Module, name: str, value: Tensor) -> None:
+    """Copy a dense ``value`` into parameter ``name``; a quantized one replaces it with its kernel."""
+    if isinstance(value, QuantizedTensor):
+        value = to_linear(value)
+        if isinstance(value, nn.Module):
+            setattr(owner, name, value)
+            return
+    getattr(owner, name).copy_(value)
+
+
 @torch.no_grad()
-def load_hf_weights(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]) -> None:
+def load_hf_weights(model: LlamaForCausalLM, state_dict: dict[str, Tensor]) -> None:
     """Fill ``model`` from HF names; raises ``ValueError`` on a missing, misshapen or unused tensor."""
     state = dict(state_dict)
     a = model.args
     q_out, kv_out = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    model.embed.copy_(_take(state, "model.embed_tokens.weight", (a.vocab_size, a.hidden_size)))
-    model.norm.copy_(_take(state, "model.norm.weight", (a.hidden_size,)))
+    embed = _take(state, "model.embed_tokens.weight", (a.vocab_size, a.hidden_size))
+    model.embed.copy_(_dense(embed))
+    model.norm.copy_(_dense(_take(state, "model.norm.weight", (a.hidden_size,))))
     if a.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+        if isinstance(embed, QuantizedTensor):  # the head reads the file's codes; lookups stay dense
+            _put(model, "lm_head", embed)
     else:
-        model.lm_head.copy_(_take(state, "lm_head.weight", (a.vocab_size, a.hidden_size)))
+        _put(model, "lm_head", _take(state, "lm_head.weight", (a.vocab_size, a.hidden_size)))
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        layer.input_norm.copy_(_take(state, p + "input_layernorm.weight", (a.hidden_size,)))
-        layer.post_norm.copy_(_take(state, p + "post_attention_layernorm.weight", (a.hidden_size,)))
-        layer.wqkv.copy_(
-            torch.cat(
-                [
-                    _take(state, p + "self_attn.q_proj.weight", (q_out, a.hidden_size)),
-                    _take(state, p + "self_attn.k_proj.weight", (kv_out, a.hidden_size)),
-                    _take(state, p + "self_attn.v_proj.weight", (kv_out, a.hidden_size)),
-                ]
-            )
-        )
-        layer.wo.copy_(_take(state, p + "self_attn.o_proj.weight", (a.hidden_size, q_out)))
-        layer.w_gate_up.copy_(
-            torch.cat(
-                [
-                    _take(state, p + "mlp.gate_proj.weight", (a.intermediate_size, a.hidden_size)),
-                    _take(state, p + "mlp.up_proj.weight", (a.intermediate_size, a.hidden_size)),
-                ]
-            )
-        )
-        layer.w_down.copy_(_take(state, p + "mlp.down_proj.weight", (a.hidden_size, a.intermediate_size)))
+        layer.input_norm.copy_(_dense(_take(state, p + "input_layernorm.weight", (a.hidden_size,))))
+        layer.post_norm.copy_(_dense(_take(state, p + "post_attention_layernorm.weight", (a.hidden_size,))))
+        qkv = [
+            _take(state, p + "self_attn.q_proj.weight", (q_out, a.hidden_size)),
+            _take(state, p + "self_attn.k_proj.weight", (kv_out, a.hidden_size)),
+            _take(state, p + "self_attn.v_proj.weight", (kv_out, a.hidden_size)),
+        ]
+        _put(layer, "wqkv", cat_rows(qkv))
+        _put(layer, "wo", _take(state, p + "self_attn.o_proj.weight", (a.hidden_size, q_out)))
+        MLP_LOADERS[type(layer)](layer, state, p, a)
         if a.attention_bias:
             layer.bqkv.copy_(
                 torch.cat([_take(state, p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
             )
             layer.bo.copy_(_take(state, p + "self_attn.o_proj.bias"))
-        if a.mlp_bias:
-            layer.b_gate_up.copy_(torch.cat([_take(state, p + f"mlp.{n}_proj.bias") for n in ("gate", "up")]))
-            layer.b_down.copy_(_take(state, p + "mlp.down_proj.bias"))
     leftover = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise ValueError(f"checkpoint has tensors this architecture does not use: {sorted(leftover)[:5]}")
+
+
+def _load_dense_mlp(layer: DecoderLayer, state: dict[str, Tensor], p: str, a: ModelArgs) -> None:
+    inter, hidden = a.intermediate_size, a.hidden_size
+    gate = _take(state, p + "mlp.gate_proj.weight", (inter, hidden))
+    _put(layer, "w_gate_up", cat_rows([gate, _take(state, p + "mlp.up_proj.weight", (inter, hidden))]))
+    _put(layer, "w_down", _take(state, p + "mlp.down_proj.weight", (hidden, inter)))
+    if a.mlp_bias:
+        layer.b_gate_up.copy_(torch.cat([_take(state, p + f"mlp.{n}_proj.bias") for n in ("gate", "up")]))
+        layer.b_down.copy_(_take(state, p + "mlp.down_proj.bias"))
+
+
+def _load_moe_mlp(layer: MixtralDecoderLayer, state: dict[str, Tensor], p: str, a: ModelArgs) -> None:
+    """HF ``block_sparse_moe.gate`` (router) and ``experts.{e}.w1/w3`` (gate/up), ``w2`` (down)."""
+    inter, hidden = a.intermediate_size, a.hidden_size
+    n_experts = layer.router.shape[0]
+    moe = p + "block_sparse_moe."
+    layer.router.copy_(_take(state, moe + "gate.weight", (n_experts, hidden)))
+    for e in range(n_experts):
+        x = f"{moe}experts.{e}."
+        w1 = _take(state, x + "w1.weight", (inter, hidden))
+        layer.experts_gate_up[e].copy_(torch.cat([w1, _take(state, x + "w3.weight", (inter, hidden))]))
+        layer.experts_down[e].copy_(_take(state, x + "w2.weight", (hidden, inter)))
+
+
+# Layer class -> the loader of its MLP weights (attention and norms are common to all).
+MLP_LOADERS: dict[type[DecoderLayer], Callable[..., None]] = {
+    DecoderLayer: _load_dense_mlp,
+    MixtralDecoderLayer: _load_moe_mlp,
+}

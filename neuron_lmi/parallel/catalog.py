@@ -1,9 +1,15 @@
 """What the planner plans for: model architectures (presets or a ``config.json``) and Neuron instances.
 
 Presets hold the published Hugging Face configurations (``config.json`` of meta-llama/Llama-2-7b-hf,
--13b-hf, -70b-hf and mistralai/Mistral-7B-v0.1).  Instances and their tensor-parallel degrees are
-REFERENCE §6: 16 GiB of HBM per NeuronCore-v2; tp 1, 2, 4, 8, 24 on inf2 and 1, 2, 8, 32 on trn1,
-limited to the instance's core count.
+-13b-hf, -70b-hf, mistralai/Mistral-7B-v0.1 and mistralai/Mixtral-8x7B-v0.1).  Instances, their
+memory per NeuronCore and tensor-parallel degrees are REFERENCE §6: inf2/trn1 have 16 GiB of HBM
+per NeuronCore-v2, tp 1, 2, 4, 8, 24 on inf2 and 1, 2, 8, 32 on trn1; trn2.48xlarge has 16
+Trainium2 chips of 96 GiB, exposed at the default LNC=2 as 64 logical NeuronCores of 24 GiB (Neuron
+docs ``arch/neuron-features/logical-neuroncore-config``, ``training/best-practices``).  NxD
+Inference's Trn2 Llama-3.1-405B tutorial (aws-neuron-sdk
+``libraries/nxd-inference/tutorials/trn2-llama3.1-405b-tutorial.rst``) says "with LNC=2, you can set
+a TP degree up to 64"; we offer the powers of two up to 64, which divide the 64 logical cores.
+Degrees are limited to the instance's core count.
 """
 
 from __future__ import annotations
@@ -14,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 GIB = 1024**3
-HBM_PER_CORE = 16 * GIB
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral")
+# Keys a sparse-MoE config must state (transformers' defaults would silently pick 8 and 2).
+MOE_KEYS: dict[str, tuple[str, ...]] = {"mixtral": ("num_local_experts", "num_experts_per_tok")}
 
 
 def _positive(name: str, field: str, value: object) -> None:
@@ -41,8 +48,17 @@ class ModelSpec:
     max_position_embeddings: int
     head_dim: int = 0  # 0: hidden_size // n_heads
     tie_word_embeddings: bool = False
+    n_experts: int = 0  # 0: a dense MLP; else MoE experts per layer, each of intermediate_size
+    experts_per_token: int = 0
 
     def __post_init__(self) -> None:
+        if self.n_experts:
+            _positive(self.name, "num_local_experts", self.n_experts)
+            if not 1 <= self.experts_per_token <= self.n_experts:
+                raise ValueError(
+                    f"{self.name}: num_experts_per_tok={self.experts_per_token!r} must be in "
+                    f"[1, num_local_experts={self.n_experts}]"
+                )
         for field in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "intermediate_size", "vocab_size"):
             _positive(self.name, field, getattr(self, field))
         _positive(self.name, "max_position_embeddings", self.max_position_embeddings)
@@ -61,6 +77,11 @@ class ModelSpec:
             )
 
     @property
+    def mlp_copies(self) -> int:
+        """How many MLPs of ``intermediate_size`` a layer holds: its experts, or 1 when dense."""
+        return max(self.n_experts, 1)
+
+    @property
     def default_n_positions(self) -> int:
         """LMI's smart default: ``min(max_position_embeddings, 4096)``."""
         return min(self.max_position_embeddings, 4096)
@@ -68,17 +89,33 @@ class ModelSpec:
 
 @dataclass(frozen=True, slots=True)
 class InstanceSpec:
-    """A Neuron instance: NeuronCores, devices and the tensor-parallel degrees it supports."""
+    """A Neuron instance: NeuronCores (logical ones on trn2), devices, HBM per core and the
+    tensor-parallel degrees it supports."""
 
     name: str
     neuron_devices: int
     cores: int
     tp_degrees: tuple[int, ...]
+    hbm_bytes_per_core: int
 
     @property
     def hbm_bytes(self) -> int:
-        return self.cores * HBM_PER_CORE
+        return self.cores * self.hbm_bytes_per_core
 
+
+@dataclass(frozen=True, slots=True)
+class InstanceFamily:
+    """What every size of a family shares: the supported tp degrees and the memory per core."""
+
+    tp_degrees: tuple[int, ...]
+    hbm_bytes_per_core: int
+
+
+FAMILIES: dict[str, InstanceFamily] = {
+    "inf2": InstanceFamily((1, 2, 4, 8, 24), 16 * GIB),
+    "trn1": InstanceFamily((1, 2, 8, 32), 16 * GIB),
+    "trn2": InstanceFamily((1, 2, 4, 8, 16, 32, 64), 24 * GIB),  # LNC=2: 2 physical cores, 96/4 GiB
+}
 
 PRESETS: dict[str, ModelSpec] = {
     spec.name: spec
@@ -87,15 +124,15 @@ PRESETS: dict[str, ModelSpec] = {
         ModelSpec("llama-2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
         ModelSpec("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
         ModelSpec("mistral-7b", 32, 4096, 32, 8, 14336, 32000, 32768),
+        ModelSpec("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 32768, n_experts=8, experts_per_token=2),
     )
 }
 
-_INF2_TP, _TRN1_TP = (1, 2, 4, 8, 24), (1, 2, 8, 32)
-
 
 def _instance(name: str, devices: int, cores: int) -> InstanceSpec:
-    family = _INF2_TP if name.startswith("inf2") else _TRN1_TP
-    return InstanceSpec(name, devices, cores, tuple(tp for tp in family if tp <= cores))
+    family = FAMILIES[name.split(".")[0]]
+    tp_degrees = tuple(tp for tp in family.tp_degrees if tp <= cores)
+    return InstanceSpec(name, devices, cores, tp_degrees, family.hbm_bytes_per_core)
 
 
 INSTANCES: dict[str, InstanceSpec] = {
@@ -107,6 +144,7 @@ INSTANCES: dict[str, InstanceSpec] = {
         _instance("inf2.48xlarge", 12, 24),
         _instance("trn1.2xlarge", 1, 2),
         _instance("trn1.32xlarge", 16, 32),
+        _instance("trn2.48xlarge", 16, 64),
     )
 }
 
@@ -141,14 +179,17 @@ def load_model_spec(ref: str) -> ModelSpec:
 
 
 def model_spec_from_config(config: dict[str, Any], name: str = "model") -> ModelSpec:
-    """A ``ModelSpec`` from a Hugging Face Llama/Mistral ``config.json``; ``ValueError`` names what's
-    missing or inconsistent."""
+    """A ``ModelSpec`` from a Hugging Face Llama/Mistral/Mixtral ``config.json``; ``ValueError`` names
+    what's missing or inconsistent."""
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{name}: model_type={model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
         )
-    required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+    required = (
+        "num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+        *MOE_KEYS.get(model_type, ()),
+    )  # fmt: skip
     missing = [key for key in required if key not in config]
     if missing:
         raise ValueError(f"{name}: config.json lacks {', '.join(missing)}")
@@ -164,4 +205,6 @@ def model_spec_from_config(config: dict[str, Any], name: str = "model") -> Model
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         head_dim=config.get("head_dim") or 0,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        n_experts=config.get("num_local_experts") or 0,
+        experts_per_token=config.get("num_experts_per_tok") or 0,
     )

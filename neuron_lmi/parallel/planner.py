@@ -3,12 +3,16 @@
 Per core, under transformers-neuronx's layout (``gqa.build_sharding_plan``):
 
     weights  = layers x (q, k, v, o columns of the rank's heads + gate/up/down rows of
-               ceil(intermediate / tp) + two norms) + final norm + lm_head columns ceil(vocab / tp)
+               ceil(intermediate / tp) for every expert (one MLP when dense) + the router (experts x
+               hidden, replicated) + two norms) + final norm + lm_head columns ceil(vocab / tp)
                (the token embedding stays on the host: ``on_device_embedding`` is off by default)
+    experts  = the expert part of weights: all experts' slices, so a MoE model's weights per core
+               are about its total / tp (NxD Inference splits inside every expert; no expert
+               parallelism)
     padding  = weights - (device weights / tp): dummy heads, replicated KV weights, MLP/vocab padding
     KV row   = 2 (K, V) x layers x n_positions x local KV heads x head_dim x dtype bytes
-    rows     = floor((16 GiB x (1 - headroom) - weights) / KV row)   (a multiple of tp when the
-               cache is split over the batch)
+    rows     = floor((the instance's HBM per core x (1 - headroom) - weights) / KV row)   (a
+               multiple of tp when the cache is split over the batch)
 
 Recommendation, matching AWS's published choices (LMI's transformers-neuronx tuning guide; REFERENCE
 §6): the largest supported degree up to 8 that fits ``batch_size`` rows -- beyond 8 per-token latency
@@ -21,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from neuron_lmi.parallel.catalog import GIB, HBM_PER_CORE, INSTANCES, InstanceSpec, ModelSpec
+from neuron_lmi.parallel.catalog import GIB, INSTANCES, InstanceSpec, ModelSpec
 from neuron_lmi.parallel.gqa import ShardingPlan, build_sharding_plan
 from neuron_lmi.parallel.tnx_rules import GQAStrategy
 
@@ -58,6 +62,7 @@ class TpOption:
     query_heads_padded: int
     kv_heads_effective: int
     weight_bytes_per_core: int
+    expert_weight_bytes_per_core: int  # the MoE experts' share of weight_bytes_per_core; 0 if dense
     ideal_weight_bytes_per_core: int
     padding_bytes_per_core: int
     kv_bytes_per_row_per_core: int
@@ -73,6 +78,7 @@ class InstancePlan:
     model: str
     instance: str
     cores: int
+    hbm_bytes_per_core: int
     dtype: str
     n_positions: int
     batch_size: int
@@ -113,7 +119,7 @@ def plan_instance(
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
-    budget = int(HBM_PER_CORE * (1 - headroom))
+    budget = int(instance.hbm_bytes_per_core * (1 - headroom))
     options = tuple(
         _option(model, instance, tp, DTYPE_BYTES[dtype], positions, batch_size, budget)
         for tp in instance.tp_degrees
@@ -123,6 +129,7 @@ def plan_instance(
         model=model.name,
         instance=instance.name,
         cores=instance.cores,
+        hbm_bytes_per_core=instance.hbm_bytes_per_core,
         dtype=dtype,
         n_positions=positions,
         batch_size=batch_size,
@@ -146,17 +153,25 @@ def weight_bytes_per_core(model: ModelSpec, plan: ShardingPlan, dtype_bytes: int
     q_cols = len(shard.query_heads) * d
     slices = [r.kv_weight_columns for r in plan.ranks if r.kv_weight_columns is not None]
     kv_cols = max(stop - start for start, stop in slices) if slices else len(shard.kv_heads) * d
-    per_layer = h * (2 * q_cols + 2 * kv_cols) + 3 * h * math.ceil(model.intermediate_size / tp) + 2 * h
+    mlp = model.mlp_copies * 3 * h * math.ceil(model.intermediate_size / tp)
+    per_layer = h * (2 * q_cols + 2 * kv_cols) + mlp + model.n_experts * h + 2 * h
     elements = model.n_layers * per_layer + h + h * math.ceil(model.vocab_size / tp)
     return elements * dtype_bytes
+
+
+def expert_weight_bytes_per_core(model: ModelSpec, tp: int, dtype_bytes: int) -> int:
+    """Bytes of every layer's expert slices on one core (0 for a dense model; the router excluded)."""
+    per_layer = model.n_experts * 3 * model.hidden_size * math.ceil(model.intermediate_size / tp)
+    return model.n_layers * per_layer * dtype_bytes
 
 
 def ideal_weight_bytes_per_core(model: ModelSpec, tp: int, dtype_bytes: int) -> int:
     """Device weights split evenly with no padding or replication (norms stay duplicated)."""
     h, d = model.hidden_size, model.head_dim
     attention = h * d * (2 * model.n_heads + 2 * model.n_kv_heads)
-    sharded = model.n_layers * (attention + 3 * h * model.intermediate_size) + h * model.vocab_size
-    duplicated = model.n_layers * 2 * h + h
+    mlp = model.mlp_copies * 3 * h * model.intermediate_size
+    sharded = model.n_layers * (attention + mlp) + h * model.vocab_size
+    duplicated = model.n_layers * (2 * h + model.n_experts * h) + h  # norms and routers
     return math.ceil(sharded / tp) * dtype_bytes + duplicated * dtype_bytes
 
 
@@ -182,6 +197,7 @@ def _option(
         query_heads_padded=plan.n_query_heads_padded,
         kv_heads_effective=plan.n_kv_heads_effective,
         weight_bytes_per_core=weights,
+        expert_weight_bytes_per_core=expert_weight_bytes_per_core(model, tp, dtype_bytes),
         ideal_weight_bytes_per_core=ideal,
         padding_bytes_per_core=max(weights - ideal, 0),
         kv_bytes_per_row_per_core=default.kv_bytes_per_row_per_core,

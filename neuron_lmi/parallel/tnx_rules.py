@@ -82,6 +82,27 @@ def resolve_strategy(
     return GQAStrategy.SHARD_OVER_HEADS, "; ".join(reasons) or None
 
 
+def continuous_batching_strategy(
+    n_query_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    tp_degree: int,
+    requested: GQAStrategy | None,
+) -> tuple[GQAStrategy, str | None]:
+    """``resolve_strategy`` under continuous batching, as the library runs it: the context-encoding
+    decoders are built with batch 1 (``llama/model.py`` ``context_batch_sizes``) and share one
+    ``neuron_config`` with the token decoder, so ``check_gqa_fallback`` rejects shard-over-batch at
+    any tp > 1 whatever the rolling batch size, and every graph runs the fallback."""
+    strategy, reason = resolve_strategy(n_query_heads, n_kv_heads, head_dim, tp_degree, requested, 1)
+    if requested is GQAStrategy.SHARD_OVER_BATCH and tp_degree > 1:
+        reason = (
+            "continuous batching builds the context-encoding decoders with batch 1, so "
+            f"transformers-neuronx replaces shard-over-batch at tp_degree={tp_degree}; "
+            + (reason or "").split("; ", 1)[-1]
+        )
+    return strategy, reason
+
+
 def qkv_padding(
     n_query_heads: int, n_kv_heads: int, tp_degree: int, strategy: GQAStrategy
 ) -> tuple[int, int]:

@@ -1,16 +1,16 @@
-"""Tensor parallelism on CPU as a transform of ``LlamaForCausalLM``: N logical ranks, one process.
+"""Tensor parallelism on CPU as a transform of ``LlamaForCausalLM`` (and Mixtral): N logical ranks.
 
 ``apply_tensor_parallel(model, tp, strategy, batch_size=rows)`` splits every decoder layer by a
 ``ShardingPlan`` (``parallel.gqa``), the same plan the Neuron backend and ``neuron-lmi plan`` read.
-The model code is not forked: each rank is an ordinary ``DecoderLayer`` holding fewer heads and a
-slice of the MLP, and ``ShardedDecoderLayer`` stands in for a layer by running its ranks and
+The model code is not forked: each rank is a layer of the model's own class holding fewer heads and
+a slice of the MLP, and ``ShardedDecoderLayer`` stands in for a layer by running its ranks and
 summing their partial outputs (the all-reduce)::
 
     x ──┬─ rank 0: qkv(own q heads, own KV heads) ─ attention over rank 0's cache ─ wo rows ─┐
         ├─ rank 1: ...                                                                      ├─ Σ ─ + x
         └─ rank N-1                                                                         ┘
-    x ──┬─ rank r: gate/up rows [r*I/N, (r+1)*I/N) ─ down columns ─┐
-        └─ ...                                                      ├─ Σ ─ + x
+    x ──┬─ rank r: gate/up rows [r*I/N, (r+1)*I/N) ─ down columns ─┐    (Mixtral: the same slice of
+        └─ ...                                                      ├─ Σ ─ + x   every expert, ``tp_mlp``)
 
 Per-rank KV caches (``ShardedKVCache``)::
 
@@ -26,7 +26,6 @@ the fp32 sums.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -40,6 +39,7 @@ from neuron_lmi.models.llama import DecodeInputs, DecoderLayer, LlamaForCausalLM
 from neuron_lmi.models.rope import apply_rotary
 from neuron_lmi.parallel.gqa import RankShard, ShardingPlan, build_sharding_plan
 from neuron_lmi.parallel.tnx_rules import DUMMY, GQAStrategy
+from neuron_lmi.parallel.tp_mlp import MLP_SHARDERS, mlp_slice
 
 __all__ = [
     "RowPlacement",
@@ -331,21 +331,12 @@ def _take_heads(t: torch.Tensor, heads: Sequence[int], head_dim: int) -> torch.T
     return out.reshape(-1, *t.shape[1:])
 
 
-def _take_rows(t: torch.Tensor, lo: int, hi: int, size: int) -> torch.Tensor:
-    """``t[lo:hi]`` zero-padded to ``size`` rows (the library pads the MLP the same way)."""
-    out = t.new_zeros(size, *t.shape[1:])
-    out[: hi - lo] = t[lo:hi]
-    return out
-
-
 def _shard_layer(layer: DecoderLayer, shard: RankShard, plan: ShardingPlan, args: ModelArgs) -> DecoderLayer:
-    d, h, kvh, tp = args.head_dim, args.n_heads, args.n_kv_heads, plan.tp_degree
-    inter = math.ceil(args.intermediate_size / tp)
-    lo = min(shard.rank * inter, args.intermediate_size)
-    hi = min(lo + inter, args.intermediate_size)
-    out = DecoderLayer(
-        replace(args, intermediate_size=inter), len(shard.query_heads), len(shard.kv_heads), layer.wqkv.dtype
-    )
+    """Rank ``shard.rank``'s copy of ``layer`` (same class): its heads and its slice of the MLP."""
+    d, h, kvh = args.head_dim, args.n_heads, args.n_kv_heads
+    mlp = mlp_slice(args.intermediate_size, plan.tp_degree, shard.rank)
+    rank_args = replace(args, intermediate_size=mlp.size)
+    out = type(layer)(rank_args, len(shard.query_heads), len(shard.kv_heads), layer.wqkv.dtype)
     out.input_norm, out.post_norm = layer.input_norm, layer.post_norm
 
     def qkv_rows(t: torch.Tensor) -> torch.Tensor:
@@ -353,22 +344,15 @@ def _shard_layer(layer: DecoderLayer, shard: RankShard, plan: ShardingPlan, args
         heads = (shard.query_heads, shard.kv_heads, shard.kv_heads)
         return torch.cat([_take_heads(t, hs, d) for t, hs in zip((q, k, v), heads, strict=True)])
 
-    gate, up = layer.w_gate_up.chunk(2)
     with torch.no_grad():
         out.wqkv.copy_(qkv_rows(layer.wqkv))
         out.wo.copy_(_take_heads(layer.wo.t(), shard.query_heads, d).t())
-        out.w_gate_up.copy_(torch.cat([_take_rows(gate, lo, hi, inter), _take_rows(up, lo, hi, inter)]))
-        out.w_down.copy_(_take_rows(layer.w_down.t(), lo, hi, inter).t())
         if layer.bqkv is not None and out.bqkv is not None:
             out.bqkv.copy_(qkv_rows(layer.bqkv))
-        if layer.b_gate_up is not None and out.b_gate_up is not None:
-            bg, bu = layer.b_gate_up.chunk(2)
-            out.b_gate_up.copy_(torch.cat([_take_rows(bg, lo, hi, inter), _take_rows(bu, lo, hi, inter)]))
-        # Output biases are added once after the all-reduce: rank 0 carries them, the others zero.
-        for name in ("bo", "b_down"):
-            src, dst = getattr(layer, name), getattr(out, name)
-            if src is not None and dst is not None and shard.rank == 0:
-                dst.copy_(src)
+        # The output bias is added once after the all-reduce: rank 0 carries it, the others zero.
+        if layer.bo is not None and out.bo is not None and shard.rank == 0:
+            out.bo.copy_(layer.bo)
+    MLP_SHARDERS[type(layer)](layer, out, mlp)
     return out
 
 

@@ -26,3 +26,25 @@ class ModelRunner(Protocol):
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor: ...
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor: ...
+
+
+class ExtendingRunner(ModelRunner, Protocol):
+    """A runner that can also append to a row that already holds a prefix (optional capability).
+
+    ``extend`` writes ``chunks[i]`` after the positions ``rows[i]`` holds (attention over the cached
+    prefix and the chunk, causal, sliding window respected) and returns each chunk's last-token
+    logits; any chunk length that fits ``n_positions`` is accepted. ``copy`` duplicates a row's
+    first ``n`` positions into another allocated row. Runners without them (the Neuron runners)
+    get whole-prompt prefill from the engine.
+    """
+
+    supports_extend: bool
+
+    def extend(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor: ...
+
+    def copy(self, src: int, dst: int, n: int) -> None: ...
+
+
+def supports_extend(runner: ModelRunner) -> bool:
+    """Whether ``runner`` is an ``ExtendingRunner`` (chunked prefill and prefix reuse apply)."""
+    return bool(getattr(runner, "supports_extend", False))

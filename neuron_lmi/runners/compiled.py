@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from cache_api import KVCache, RowTable
-from compile_cache import CompileCache, Entry, normalize_dtype
+from compile_cache import CompileCache, Entry, normalize_dtype, open_store
 from neuron_lmi.compile.cpu_aot import CompiledGraphs, CpuPlan, compile_cpu_entry, cpu_key_inputs
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.runners.buckets import pick_bucket
@@ -114,10 +114,14 @@ class OpenedRunner:
 
 def cache_for(compiled_graph_path: str | None, cache_dir: str | Path | None = None) -> CompileCache:
     """LMI's ``option.compiled_graph_path``: an ``s3://`` URI is the remote (local root as usual),
-    anything else the local store's root; ``cache_dir`` overrides the local root."""
-    if compiled_graph_path and compiled_graph_path.startswith("s3://"):
-        return CompileCache(cache_dir, remote=compiled_graph_path)
-    return CompileCache(cache_dir or compiled_graph_path or None)
+    anything else the local store's root; ``cache_dir`` (``--cache-dir``) is the local root as given.
+
+    A root that cannot be written (SageMaker's read-only ``/opt/ml/model/compiled``) is read in place
+    as a seed, and misses, damaged entries and locks go to a writable store (``open_store``)."""
+    remote = compiled_graph_path if compiled_graph_path and compiled_graph_path.startswith("s3://") else None
+    if cache_dir is not None:
+        return CompileCache(cache_dir, remote=remote)
+    return open_store(None if remote else compiled_graph_path or None, remote=remote)
 
 
 def open_compiled_runner(

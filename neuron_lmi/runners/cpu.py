@@ -17,7 +17,9 @@ class CpuRunner:
 
     Prefill pads prompts to a context bucket, packing several short prompts into one bucket-sized
     row (block-diagonal attention) and batching the rows of one bucket; decode
-    attends over the smallest token-generation bucket that covers every active row.
+    attends over the smallest token-generation bucket that covers every active row. ``extend``
+    (when the model supports it) appends chunks to rows that already hold a prefix, in pieces of at
+    most the largest context bucket, so a prompt longer than that bucket is prefilled in chunks.
     """
 
     def __init__(
@@ -37,10 +39,11 @@ class CpuRunner:
         self.vocab_size = a.vocab_size
         # The model lays out its own cache: one KVCache, or one per tensor-parallel rank.
         self.cache = model.make_cache(n_rows, n_positions)
+        self.supports_extend = model.supports_extend
         self.context_buckets = (
             sorted(context_buckets) if context_buckets else power_of_two_buckets(n_positions)
         )
-        if self.context_buckets[-1] < n_positions:
+        if self.context_buckets[-1] < n_positions and not self.supports_extend:
             self.context_buckets.append(n_positions)
         self.token_buckets = power_of_two_buckets(n_positions)
 
@@ -51,6 +54,12 @@ class CpuRunner:
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         if len(rows) != len(prompts):
             raise ValueError("prefill: rows and prompts differ in length")
+        longest = self.context_buckets[-1]
+        long = [i for i, p in enumerate(prompts) if len(p) > longest]
+        if long and self.supports_extend:  # the head as usual, the rest in chunks
+            logits = self.prefill(rows, [p[:longest] for p in prompts])
+            logits[long] = self.extend([rows[i] for i in long], [prompts[i][longest:] for i in long])
+            return logits
         by_bucket: dict[int, list[int]] = defaultdict(list)
         for i, prompt in enumerate(prompts):
             if not prompt:
@@ -101,6 +110,55 @@ class CpuRunner:
             out, keys, values = self.model.prefill_packed(tokens, positions, segments, (rows_idx, cols_idx))
         return order, out, keys, values
 
+    def extend(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Append ``chunks[i]`` to ``rows[i]`` after the positions it holds; returns the logits of
+        each chunk's last token. A chunk longer than the largest context bucket runs in pieces."""
+        if not self.supports_extend:
+            raise NotImplementedError(f"{type(self.model).__name__} has no extend step")
+        if len(rows) != len(chunks):
+            raise ValueError("extend: rows and chunks differ in length")
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"extend: rows {list(rows)} repeat a row")
+        for row, chunk in zip(rows, chunks, strict=True):
+            if not chunk:
+                raise ValueError(f"extend: chunk for row {row} is empty")
+            if self.rows.length(row) + len(chunk) > self.n_positions:
+                raise ValueError(
+                    f"extend: row {row} holds {self.rows.length(row)} positions, {len(chunk)} more "
+                    f"exceed n_positions={self.n_positions}"
+                )
+        logits = torch.empty(len(rows), self.vocab_size)
+        piece, done = self.context_buckets[-1], 0
+        while done < max(len(c) for c in chunks):
+            live = [i for i, c in enumerate(chunks) if len(c) > done]
+            by_bucket: dict[int, list[int]] = defaultdict(list)
+            for i in live:
+                by_bucket[pick_bucket(self.context_buckets, min(len(chunks[i]) - done, piece))].append(i)
+            for bucket, members in by_bucket.items():
+                pieces = [list(chunks[i][done : done + piece]) for i in members]
+                logits[members] = self._extend_bucket([rows[i] for i in members], pieces, bucket)
+            done += piece
+        return logits
+
+    def _extend_bucket(self, rows: list[int], pieces: list[list[int]], bucket: int) -> torch.Tensor:
+        tokens = torch.zeros(len(rows), bucket, dtype=torch.long)
+        for i, piece in enumerate(pieces):
+            tokens[i, : len(piece)] = torch.tensor(piece, dtype=torch.long)
+        starts = self.rows.lengths(rows)
+        lengths = [len(p) for p in pieces]
+        attn_len = pick_bucket(self.token_buckets, max(s + n for s, n in zip(starts, lengths, strict=True)))
+        out = self.model.extend(
+            tokens, torch.tensor(rows, dtype=torch.long), torch.tensor(starts, dtype=torch.long), lengths,
+            self.cache.k, self.cache.v, attn_len,
+        )  # fmt: skip
+        for row, start, n in zip(rows, starts, lengths, strict=True):
+            self.rows.set_length(row, start + n)
+        return out
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        """Copy the first ``n`` cached positions of row ``src`` into row ``dst`` (prefix reuse)."""
+        self.cache.copy(src, dst, n)
+
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         positions = self.cache.reserve_next(rows)
         attn_len = pick_bucket(self.token_buckets, int(positions.max()) + 1)
@@ -112,3 +170,15 @@ class CpuRunner:
             self.cache.v,
             attn_len,
         )
+
+    def prompt_logits(self, prompt: Sequence[int]) -> torch.Tensor:
+        """Logits at every position of ``prompt``, ``[len(prompt), vocab]`` fp32, for prompt
+        log-probabilities (``echo`` with ``logprobs``, ``decoder_input_details``). A separate
+        forward pass that touches no KV row, paid only by requests that score their prompt."""
+        n = len(prompt)
+        tokens = torch.tensor([list(prompt)], dtype=torch.long)
+        positions = torch.arange(n)[None, :]
+        segments = torch.zeros(1, n, dtype=torch.long)
+        every = (torch.zeros(n, dtype=torch.long), torch.arange(n))
+        logits, _, _ = self.model.prefill_packed(tokens, positions, segments, every)
+        return logits

@@ -71,3 +71,7 @@ class ServerMetrics:
         self.generated_tokens = Counter("neuron_lmi_generation_tokens", "tokens generated", registry=r)
         self.aborted = Counter("neuron_lmi_aborted_requests", "requests aborted before finishing", registry=r)
         r.register(EngineStatsCollector(engine))
+        # A backend with its own Prometheus series (vLLM's vllm:*) serves them beside ours.
+        extra = getattr(engine, "prometheus_collectors", None)
+        for collector in extra() if extra is not None else ():
+            r.register(collector)

@@ -39,6 +39,7 @@ from neuron_lmi.server.generation import (
     open_streams,
     until_disconnect,
 )
+from neuron_lmi.server.schemas_grammar import TgiGrammar
 from neuron_lmi.server.schemas_lmi import (
     LmiParameters,
     LmiRequest,
@@ -66,12 +67,18 @@ def _prompt_for(ctx: ServerContext, text: str, truncate: int | None) -> str | li
     return ctx.encode(text)[-truncate:]
 
 
-def _prefill(ctx: ServerContext, text: str, p: LmiParameters, style: Style = "tgi") -> list[dict[str, Any]]:
-    """The prompt's tokens for ``decoder_input_details`` (no log-probabilities: prompts are not scored)."""
+def _prefill(
+    ctx: ServerContext, out: Collected, text: str, p: LmiParameters, style: Style = "tgi"
+) -> list[dict[str, Any]]:
+    """The prompt's tokens for ``decoder_input_details``, scored by the engine (the first token has
+    no log-probability); a backend that did not score them gives the tokens with null ones."""
     if not p.decoder_input_details:
         return []
-    ids = ctx.encode(text)
     key = "logprob" if style == "tgi" else "log_prob"
+    scored = out.events[0].prompt if out.events else None
+    if scored is not None:
+        return [{"id": t.id, "text": t.text, key: t.logprob} for t in scored]
+    ids = ctx.encode(text)
     return [{"id": i, "text": t, key: None} for i, t in zip(ids, ctx.token_texts(ids), strict=True)]
 
 
@@ -85,7 +92,7 @@ def _lmi_result(ctx: ServerContext, out: Collected, text: str, p: LmiParameters)
     _raise_if_failed(out)
     body: dict[str, Any] = {"generated_text": (text if p.return_full_text else "") + out.text}
     if p.details or p.top_n_tokens or p.decoder_input_details:
-        body["details"] = lmi_details(out, text, p, ctx.special_ids, _prefill(ctx, text, p, "lmi"))
+        body["details"] = lmi_details(out, text, p, ctx.special_ids, _prefill(ctx, out, text, p, "lmi"))
     return body
 
 
@@ -93,7 +100,7 @@ def _tgi_result(ctx: ServerContext, out: Collected, text: str, p: LmiParameters)
     _raise_if_failed(out)
     return {
         "generated_text": (text if p.return_full_text else "") + out.text,
-        "details": tgi_details(out, p, _prefill(ctx, text, p), ctx.special_ids),
+        "details": tgi_details(out, p, _prefill(ctx, out, text, p), ctx.special_ids),
     }
 
 
@@ -130,7 +137,7 @@ async def _jsonlines(
                     line["generated_text"] = (text if p.return_full_text else "") + out.text
                     if p.details:
                         line["details"] = lmi_details(
-                            out, text, p, ctx.special_ids, _prefill(ctx, text, p, "lmi")
+                            out, text, p, ctx.special_ids, _prefill(ctx, out, text, p, "lmi")
                         )
                 yield _dumps(line) + "\n"
     except ApiError as err:
@@ -173,14 +180,15 @@ async def _sse(ctx: ServerContext, stream: TokenStream, text: str, p: LmiParamet
 
 
 async def _start(
-    request: Request, family: Family
+    request: Request, family: Family, force_stream: bool = False
 ) -> tuple[ServerContext, LmiRequest, list[str], list[TokenStream]]:
     ctx = ctx_of(request)
     req = parse_body(await request.body(), LmiRequest, family)
     inputs = req.input_list(family)
     if req.stream and len(inputs) > 1:
         raise invalid(family, "streaming takes a single input string, not a list", "inputs")
-    params: SamplingParams = to_sampling(req.parameters, family, ctx.engine.n_positions)
+    stream = req.stream or force_stream
+    params: SamplingParams = to_sampling(req.parameters, family, ctx.engine.n_positions, stream)
     jobs = [(_prompt_for(ctx, text, req.parameters.truncate), params) for text in inputs]
     streams = await open_streams(ctx.engine, ctx.metrics, jobs, "lmi")
     return ctx, req, inputs, streams
@@ -188,7 +196,7 @@ async def _start(
 
 async def _serve(request: Request, style: Style, force_stream: bool = False) -> Response:
     family = family_for_path(request.url.path)
-    ctx, req, inputs, streams = await _start(request, family)
+    ctx, req, inputs, streams = await _start(request, family, force_stream)
     p = req.parameters
     if req.stream or force_stream:
         if style == "lmi":
@@ -229,6 +237,20 @@ async def generate_stream(request: Request) -> Response:
     return await _serve(request, "tgi", force_stream=True)
 
 
+def _supported_parameters() -> dict[str, Any]:
+    """What requests may set, per API, read from the schemas the routes validate with."""
+    from neuron_lmi.server.schemas_openai import ChatRequest, CompletionRequest
+
+    refused = {"typical_p", "watermark", "best_of", "suffix"}  # accepted only at neutral values
+    return {
+        "lmi_tgi": sorted(set(LmiParameters.model_fields) - refused),
+        "openai_completions": sorted(set(CompletionRequest.model_fields) - {"suffix"}),
+        "openai_chat": sorted(ChatRequest.model_fields),
+        "grammar_types": list(TgiGrammar.model_fields["type"].annotation.__args__),  # type: ignore[union-attr]
+        "response_format_types": ["text", "json_object", "json_schema"],
+    }
+
+
 @router.get("/info", tags=["tgi"])
 async def info(request: Request) -> dict[str, Any]:
     """TGI's ``/info``: what is served and the limits requests must respect."""
@@ -253,4 +275,5 @@ async def info(request: Request) -> dict[str, Any]:
         "version": neuron_lmi.__version__,
         "sha": None,
         "docker_label": None,
+        "supported_parameters": _supported_parameters(),
     }

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from neuron_lmi.engine.types import SamplingParams, TokenEvent
+from neuron_lmi.server.choices import best_of, first_prompt, prepend, prompt_logprobs
 from neuron_lmi.server.context import ServerContext, ctx_of
 from neuron_lmi.server.errors import ApiError, error_body, from_engine_error, invalid, parse_body
 from neuron_lmi.server.generation import (
@@ -152,15 +153,19 @@ def _completion_prompts(ctx: ServerContext, req: CompletionRequest) -> list[str 
 
 @router.post("/completions", tags=["openai"])
 async def completions(request: Request) -> Response:
-    """OpenAI's legacy completions: ``logprobs: int`` gives that many alternatives per token."""
+    """OpenAI's legacy completions: ``logprobs: int`` gives that many alternatives per token;
+    ``echo`` prepends the prompt (scored, with ``logprobs``); ``best_of`` keeps the best ``n``."""
     ctx = ctx_of(request)
     req = parse_body(await request.body(), CompletionRequest, "openai")
     _check_model(ctx, req.model)
     prompts = _completion_prompts(ctx, req)
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = to_sampling(req, max_tokens, req.logprobs or 0, ctx.engine.n_positions)
+    per_prompt = max(req.n, req.best_of or 1)
+    if per_prompt > req.n:  # candidates are ranked by their log-probabilities
+        params = dataclasses.replace(params, logprobs=True)
     texts = [p if isinstance(p, str) else ctx.tokenizer.decode(p) for p in prompts]
-    streams = await open_streams(ctx.engine, ctx.metrics, _fan_out(prompts, params, req.n), "cmpl")
+    streams = await open_streams(ctx.engine, ctx.metrics, _fan_out(prompts, params, per_prompt), "cmpl")
     head = {
         "id": new_request_id("cmpl"),
         "object": "text_completion",
@@ -174,6 +179,8 @@ async def completions(request: Request) -> Response:
         prefix = texts[idx // req.n] if req.echo and first else ""
         tokens = [e] if is_token(e) else []
         lp = _completion_logprobs(tokens, offsets[idx]) if req.logprobs is not None else None
+        if lp is not None and req.echo and first:
+            lp = prepend(prompt_logprobs(e.prompt), lp)
         offsets[idx] += len(e.text)
         fr = finish_reason(finish_name(e.finish_reason)) if e.finish_reason else None
         return {"index": idx, "text": prefix + e.text, "logprobs": lp, "finish_reason": fr}
@@ -183,10 +190,14 @@ async def completions(request: Request) -> Response:
         body = _stream_body(head, streams, req.n, usage, choice)
         return ReleasingStreamingResponse(body, streams, media_type="text/event-stream", headers=SSE_HEADERS)
     outs = await _collect_all(request, streams)
+    generated = sum(o.generated_tokens for o in outs)
+    outs = best_of(outs, per_prompt, req.n) if per_prompt > req.n else outs
     choices = []
     for idx, out in enumerate(outs):
         prompt_text = texts[idx // req.n] if req.echo else ""
         lp = _completion_logprobs(out.tokens, len(prompt_text)) if req.logprobs is not None else None
+        if lp is not None and req.echo:
+            lp = prepend(prompt_logprobs(first_prompt(out)), lp)
         choices.append(
             {
                 "index": idx,
@@ -195,7 +206,7 @@ async def completions(request: Request) -> Response:
                 "finish_reason": finish_reason(finish_name(out.finish_reason)),
             }
         )
-    usage = _usage(streams, req.n, sum(o.generated_tokens for o in outs))
+    usage = _usage(streams, per_prompt, generated)
     return JSONResponse({**head, "choices": choices, "usage": usage})
 
 

@@ -14,13 +14,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from neuron_lmi.engine.types import FinishReason, InvalidRequestError, SamplingParams, TokenEvent, TopToken
 from neuron_lmi.server.errors import Family, invalid
 from neuron_lmi.server.generation import Collected
+from neuron_lmi.server.schemas_grammar import TgiGrammar, tgi_grammar
 
 DEFAULT_MAX_NEW_TOKENS = 30
+# Parameters a model's generation_config.json may default; LMI/TGI have no min_p/presence_penalty.
+DEFAULTABLE = ("temperature", "top_k", "top_p", "repetition_penalty", "frequency_penalty")
 Style = Literal["lmi", "tgi"]
 
 
@@ -35,18 +38,24 @@ class LmiParameters(BaseModel):
     top_p: float | None = None
     do_sample: bool | None = None
     repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
+    frequency_penalty: float | None = Field(
+        default=None, description="In [-2, 2]: subtracted from a token's logit per time it was generated."
+    )
     stop: list[str] | str | None = None
     seed: int | None = None
     details: bool = False
-    decoder_input_details: bool = False
+    decoder_input_details: bool = Field(
+        default=False, description="Return the prompt's tokens and log-probabilities in details.prefill."
+    )
     top_n_tokens: int | None = None
     return_full_text: bool = False
     truncate: int | None = None
     typical_p: float | None = None
     best_of: int | None = None
     watermark: bool = False
-    grammar: Any = None
+    grammar: TgiGrammar | None = Field(
+        default=None, description="Constrain the output: a JSON Schema (type json) or a regex (type regex)."
+    )
     ignore_eos: bool = False
 
 
@@ -76,8 +85,6 @@ def _refuse_unsupported(p: LmiParameters, family: Family) -> None:
     unsupported = {
         "typical_p": p.typical_p is not None,
         "watermark": p.watermark,
-        "grammar": p.grammar is not None,
-        "frequency_penalty": p.frequency_penalty not in (None, 0.0),
         "best_of": p.best_of not in (None, 1),
     }
     for name, bad in unsupported.items():
@@ -87,12 +94,19 @@ def _refuse_unsupported(p: LmiParameters, family: Family) -> None:
         raise invalid(family, f"truncate must be positive, got {p.truncate}", "parameters.truncate")
 
 
-def to_sampling(p: LmiParameters, family: Family, max_new_tokens_limit: int) -> SamplingParams:
+def to_sampling(
+    p: LmiParameters, family: Family, max_new_tokens_limit: int, stream: bool = True
+) -> SamplingParams:
     """LMI/TGI parameters as engine parameters; sampling happens only with ``do_sample: true``.
 
     The raw values are validated first (so ``temperature: -1`` is refused even without sampling),
-    then ``do_sample`` false turns decoding greedy (temperature 0).
+    then ``do_sample`` false turns decoding greedy (temperature 0). Log-probabilities are asked for
+    only when the response shows them (``details``, ``top_n_tokens``); parameters left unset are
+    named in ``unset`` for a backend with the model's own defaults (vLLM).
     """
+    unset = {name for name in DEFAULTABLE if getattr(p, name) is None} | {"min_p", "presence_penalty"}
+    if not p.do_sample:
+        unset.discard("temperature")
     _refuse_unsupported(p, family)
     stop = (p.stop,) if isinstance(p.stop, str) else tuple(p.stop or ())
     params = SamplingParams(
@@ -105,6 +119,12 @@ def to_sampling(p: LmiParameters, family: Family, max_new_tokens_limit: int) -> 
         seed=p.seed,
         top_n_tokens=0 if p.top_n_tokens is None else p.top_n_tokens,
         ignore_eos=p.ignore_eos,
+        logprobs=bool(p.details or p.top_n_tokens),
+        stream=stream,
+        unset=frozenset(unset),
+        frequency_penalty=p.frequency_penalty or 0.0,
+        grammar=tgi_grammar(p.grammar, family),
+        prompt_logprobs=0 if p.decoder_input_details else None,
     )
     try:
         params.validate(max_new_tokens_limit)
@@ -143,7 +163,7 @@ def lmi_details(
     prefill: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """REFERENCE §2 ``details``; ``top_tokens`` only with ``top_n_tokens``, ``prefill`` only with
-    ``decoder_input_details`` (prompt tokens, ``log_prob`` null: the engine does not score prompts)."""
+    ``decoder_input_details`` (prompt tokens with ``log_prob``, null for the first)."""
     details: dict[str, Any] = {
         "finish_reason": finish_name(out.finish_reason),
         "generated_tokens": out.generated_tokens,

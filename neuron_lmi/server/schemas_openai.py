@@ -1,22 +1,37 @@
 """OpenAI request schemas (completions and chat) and their translation to engine parameters.
 
 Unknown fields are refused by name, as OpenAI does. Fields OpenAI defines but this server cannot
-honour (``tools``, penalties, ``logit_bias``...) are accepted only at their neutral value, so a
-client never gets silently different behaviour. ``top_k``, ``repetition_penalty`` and
-``ignore_eos`` are vLLM's extensions.
+honour (``suffix``: no fill-in-the-middle) are refused by name too, so a client never gets silently
+different behaviour. ``top_k``, ``repetition_penalty``, ``ignore_eos``, ``min_p`` and
+``min_tokens`` are vLLM's extensions; ``response_format`` is translated in ``schemas_grammar``.
+OpenAI's ranges hold on every backend (``temperature`` 0–2, vLLM's limit too). Sampling fields
+left unset are named in ``SamplingParams.unset`` so a backend with the model's
+generation_config.json defaults (vLLM) applies them, as vLLM's server does.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from neuron_lmi.engine.types import InvalidRequestError, SamplingParams
 from neuron_lmi.server.errors import invalid
+from neuron_lmi.server.schemas_grammar import ResponseFormat, parse_logit_bias, response_format_grammar
 
 MAX_N = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_TEMPERATURE = 2.0
+# Request fields a model's generation_config.json may default.
+DEFAULTABLE = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_p",
+)
 
 
 class StreamOptions(BaseModel):
@@ -30,44 +45,64 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(
+        default=None,
+        ge=-2.0,
+        le=2.0,
+        description="Subtracted once from the logit of every token already generated (OpenAI's definition).",
+    )
+    frequency_penalty: float | None = Field(
+        default=None,
+        ge=-2.0,
+        le=2.0,
+        description="Subtracted from a token's logit once per time it was already generated.",
+    )
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="Token id (as a string) -> bias in [-100, 100] added to its logit."
+    )
     user: str | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0, description="EOS is not generated before this many tokens.")
+    min_p: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="Drop tokens less likely than min_p times the most likely one (0 disables).",
+    )
+    response_format: ResponseFormat | None = Field(
+        default=None, description="Constrain the output to JSON (any object, or one JSON Schema)."
+    )
 
     def unsupported(self) -> dict[str, bool]:
         """Field name -> whether it asks for something this server cannot do."""
-        return {
-            "presence_penalty": self.presence_penalty not in (None, 0.0),
-            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
-            "logit_bias": bool(self.logit_bias),
-        }
+        return {}
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    echo: bool = Field(
+        default=False, description="Prepend the prompt (and, with logprobs, its log-probabilities)."
+    )
+    suffix: str | None = Field(default=None, description="Refused: the model has no fill-in-the-middle.")
+    best_of: int | None = Field(
+        default=None,
+        ge=1,
+        description="Generate best_of candidates per prompt and return the n with the highest "
+        "cumulative log-probability (best_of >= n; not with stream).",
+    )
 
     def unsupported(self) -> dict[str, bool]:
-        return {
-            **super().unsupported(),
-            "suffix": self.suffix is not None,
-            "best_of": self.best_of not in (None, 1, self.n),
-            "echo": self.echo and self.logprobs is not None,
-        }
+        return {**super().unsupported(), "suffix": self.suffix is not None}
 
 
 class ContentPart(BaseModel):
@@ -100,21 +135,23 @@ class ChatRequest(_Common):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
     def unsupported(self) -> dict[str, bool]:
-        fmt = (self.response_format or {}).get("type", "text")
         return {
             **super().unsupported(),
             "tools": bool(self.tools),
             "tool_choice": self.tool_choice not in (None, "none", "auto"),
-            "response_format": fmt != "text",
         }
 
 
 # SamplingParams field -> the OpenAI name a client would recognise in an error.
-_FIELD_NAMES = {"max_new_tokens": "max_tokens", "top_n_tokens": "logprobs"}
+_FIELD_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "top_n_tokens": "logprobs",
+    "prompt_logprobs": "logprobs",
+    "grammar": "response_format",
+}
 
 
 def to_sampling(
@@ -126,9 +163,17 @@ def to_sampling(
     """Engine parameters for one choice (the route sets ``seed + i`` per choice)."""
     for name, bad in req.unsupported().items():
         if bad:
-            raise invalid("openai", f"{name} is not supported by this server", name)
+            reason = "the model has no fill-in-the-middle support" if name == "suffix" else "this server"
+            raise invalid("openai", f"{name} is not supported by {reason}", name)
     if not 1 <= req.n <= MAX_N:
         raise invalid("openai", f"n must be between 1 and {MAX_N}, got {req.n}", "n")
+    if isinstance(req, CompletionRequest) and req.best_of is not None:
+        if not req.n <= req.best_of <= MAX_N:
+            message = f"best_of must be between n={req.n} and {MAX_N}, got {req.best_of}"
+            raise invalid("openai", message, "best_of")
+        if req.stream and req.best_of > req.n:
+            message = "best_of > n cannot be streamed (candidates are ranked at the end)"
+            raise invalid("openai", message, "best_of")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     params = SamplingParams(
         max_new_tokens=max_tokens,
@@ -141,6 +186,15 @@ def to_sampling(
         top_n_tokens=top_n,
         ignore_eos=req.ignore_eos,
         logprobs=bool(req.logprobs) if isinstance(req, ChatRequest) else req.logprobs is not None,
+        stream=req.stream,
+        unset=frozenset(name for name in DEFAULTABLE if getattr(req, name) is None),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias=parse_logit_bias(req.logit_bias),
+        min_tokens=req.min_tokens,
+        min_p=req.min_p or 0.0,
+        grammar=response_format_grammar(req.response_format),
+        prompt_logprobs=_prompt_logprobs(req),
     )
     try:
         params.validate(limit)
@@ -153,6 +207,13 @@ def to_sampling(
             name = "max_completion_tokens"
         raise invalid("openai", str(exc).replace(raw, name, 1), name) from None
     return params
+
+
+def _prompt_logprobs(req: CompletionRequest | ChatRequest) -> int | None:
+    """Completions with ``echo`` and ``logprobs`` score the prompt (with that many alternatives)."""
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        return req.logprobs
+    return None
 
 
 def finish_reason(name: str) -> str:

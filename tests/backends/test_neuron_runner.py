@@ -203,35 +203,52 @@ def test_serving_properties_map_to_exact_library_arguments(tiny_llama_dir, tmp_p
     cache = CompileCache(tmp_path / "store")
     runner = build_neuron_runner(resolved.config, str(tiny_llama_dir), cache, compiler_version="2.15-test")
 
-    compiled, loaded = fake_library.created
-    for model in (compiled, loaded):
-        assert model.path == str(tiny_llama_dir)
-        kwargs = dict(model.kwargs)
-        neuron_config = kwargs.pop("neuron_config")
-        assert kwargs == {
-            "batch_size": N_ROWS, "tp_degree": 8, "n_positions": 256, "amp": "bf16",
-            "context_length_estimate": [64, 128],
-        }  # fmt: skip
-        fields = dict(neuron_config.kwargs)
-        continuous = fields.pop("continuous_batching")
-        gqa = fields.pop("group_query_attention")
-        assert type(continuous).__name__ == "ContinuousBatchingConfig"
-        assert continuous.kwargs == {"max_num_seqs": N_ROWS}
-        assert gqa.args == ("shard-over-heads",)
-        assert fields == {"fuse_qkv": False, "padding_side": "right"}
-    # Miss: compile into the store's staging folder; then load the NEFFs from the entry.
+    # Miss: one model is built, compiled into the store's staging folder, and served as it is: the
+    # entry is not loaded into a second model (that would read every weight twice).
+    (compiled,) = fake_library.created
+    assert compiled.path == str(tiny_llama_dir)
+    kwargs = dict(compiled.kwargs)
+    neuron_config = kwargs.pop("neuron_config")
+    assert kwargs == {
+        "batch_size": N_ROWS, "tp_degree": 8, "n_positions": 256, "amp": "bf16",
+        "context_length_estimate": [64, 128],
+    }  # fmt: skip
+    fields = dict(neuron_config.kwargs)
+    continuous = fields.pop("continuous_batching")
+    gqa = fields.pop("group_query_attention", None)
+    assert type(continuous).__name__ == "ContinuousBatchingConfig"
+    assert continuous.kwargs == {"batch_size_for_shared_caches": N_ROWS}
+    assert gqa is None or gqa.args[0] in ("shard-over-heads", "replicated-heads")
+    assert fields == {"fuse_qkv": False, "padding_side": "right"}
     assert [e[0] for e in compiled.events] == ["env", "to_neuron", "save"]
     assert compiled.events[0][1] == str(cache.root / ".neuron-compile-cache")
-    (entry,) = cache.list()
-    assert [e[0] for e in loaded.events] == ["env", "load", "to_neuron"]
-    assert loaded.events[1][1] == str(entry.path)
+    assert runner.model is compiled
+    assert len(cache.list()) == 1
     assert (runner.rows.n_rows, runner.n_positions, runner.max_context) == (N_ROWS, 256, 128)
 
-    # A second start-up hits the cache: nothing compiles.
+    # A second start-up hits the cache: nothing compiles; the NEFFs are loaded into one model.
     fake_library.created.clear()
     build_neuron_runner(resolved.config, str(tiny_llama_dir), cache, compiler_version="2.15-test")
     (again,) = fake_library.created
+    (entry,) = cache.list()
     assert [e[0] for e in again.events] == ["env", "load", "to_neuron"]
+    assert again.events[1][1] == str(entry.path)
+
+
+def test_default_context_buckets_reach_n_positions(tiny, tiny_llama_dir, tmp_path) -> None:
+    """Without option.context_length_estimate a prompt up to n_positions is context-encoded in one
+    call (the library's own default stops at n_positions / 2 and feeds the rest one token per call)."""
+    model = tiny[0]
+    props = write_properties(tmp_path, tiny_llama_dir)
+    lines = [line for line in props.read_text().splitlines() if "context_length_estimate" not in line]
+    props.write_text("\n".join(lines) + "\n")
+    resolved = load_config(properties_path=props, env={})
+    contract = ContractModel(model, N_ROWS, N_POSITIONS)
+    runner = build_neuron_runner(resolved.config, str(tiny_llama_dir), cache=None, model=contract)
+    assert runner.max_context == N_POSITIONS
+    row = runner.rows.allocate()
+    runner.prefill([row], [list(range(3, 3 + N_POSITIONS - 8))])
+    assert [kind for kind, _ in contract.calls] == ["context"]
 
 
 def test_default_buckets_and_max_tp(tiny_llama_dir, tmp_path) -> None:

@@ -78,7 +78,7 @@ def test_compile_passes_the_mapped_arguments(
     mapped = neuron.plan_neuron_compile(_spec(tmp_path), cache, {"NEURON_CC_FLAGS": "--auto-cast=none -O1"})
     out = tmp_path / "entry"
     out.mkdir()
-    neuron.compile_neuron_entry(mapped, "LlamaForCausalLM", out)
+    model = neuron.compile_neuron_entry(mapped, "LlamaForCausalLM", out)
 
     (name, (path, kwargs, env)), *rest = fake_tnx.calls
     assert name == "from_pretrained" and path == str(tmp_path / "model")
@@ -86,10 +86,13 @@ def test_compile_passes_the_mapped_arguments(
         "batch_size": 4, "tp_degree": 8, "n_positions": 1024, "amp": "bf16"
     }  # fmt: skip
     assert kwargs["context_length_estimate"] == [256, 512]
-    assert kwargs["neuron_config"]["continuous_batching"]["max_num_seqs"] == 4
+    assert kwargs["neuron_config"]["continuous_batching"] == {
+        "type": "ContinuousBatchingConfig", "args": (), "batch_size_for_shared_caches": 4
+    }  # fmt: skip
     assert env == {"NEURON_COMPILE_CACHE_URL": str(cache.root / ".neuron-compile-cache"),
                    "NEURON_CC_FLAGS": "--auto-cast=none -O2"}  # fmt: skip
     assert rest == [("to_neuron", None), ("save", str(out))]
+    assert isinstance(model, _Recorder)  # the compiled model comes back, ready to serve
     assert "NEURON_COMPILE_CACHE_URL" not in os.environ  # restored after the compile
     record = json.loads((out / "neuron.json").read_text())
     assert record["from_pretrained_kwargs"]["tp_degree"] == 8
@@ -111,6 +114,100 @@ def test_key_changes_with_tp_and_gqa(tmp_path: Path) -> None:
         mapped = neuron.plan_neuron_compile(spec, cache, {})
         keys.add(neuron.neuron_key_inputs(spec, mapped, {"model_type": "llama"}, version="2.15").key())
     assert len(keys) == 3
+
+
+def _weights(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    return model
+
+
+def _key(spec: NeuronCompileSpec, tmp_path: Path) -> Any:
+    mapped = neuron.plan_neuron_compile(spec, CompileCache(tmp_path / "store"), {})
+    return neuron.neuron_key_inputs(
+        spec, mapped, {"model_type": "llama"}, version="2.15", library_version="0.13"
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"fuse_qkv": True},
+        {"quantize": "static_int8"},
+        {"neuron_optimize_level": 3},
+        {"enable_saturate_infinity": True},
+        {"enable_mixed_precision_accumulation": True},
+        {"dtype": "fp16"},
+        {"context_length_estimate": (256,)},
+        {"batch_size": 8},
+        {"n_positions": 2048},
+    ],
+)
+def test_key_covers_every_argument_passed_to_the_library(tmp_path: Path, change: dict[str, Any]) -> None:
+    """A stale hit would fail only after the full weight load: every argument must change the key."""
+    base = {"model_path": str(_weights(tmp_path)), "tp_degree": 8, "batch_size": 4, "n_positions": 1024,
+            "dtype": "bf16"}  # fmt: skip
+    before, after = (
+        _key(NeuronCompileSpec(**base), tmp_path),
+        _key(NeuronCompileSpec(**(base | change)), tmp_path),
+    )
+    assert before.key() != after.key()
+    args = after.describe()["library_args"]
+    assert set(args) == {"from_pretrained_kwargs", "neuron_config", "library", "library_version"}
+
+
+def test_key_reports_the_gqa_strategy_the_library_runs(tmp_path: Path) -> None:
+    """Under continuous batching shard-over-batch at tp 8 runs as shard-over-heads: same graphs, same key."""
+    model = str(_weights(tmp_path))
+    heads = {"n_query_heads": 64, "n_kv_heads": 8, "head_dim": 128}
+    asked = _key(
+        NeuronCompileSpec(model, 8, 32, 1024, group_query_attention="shard-over-batch", **heads), tmp_path
+    )
+    runs = _key(
+        NeuronCompileSpec(model, 8, 32, 1024, group_query_attention="shard-over-heads", **heads), tmp_path
+    )
+    assert asked.gqa_strategy == "shard-over-heads"
+    assert asked.key() == runs.key()
+    at_24 = _key(
+        NeuronCompileSpec(model, 24, 48, 1024, group_query_attention="shard-over-batch", **heads), tmp_path
+    )
+    assert at_24.gqa_strategy == "replicated-heads"
+
+
+def test_compile_spec_from_config_takes_every_neuron_option(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The one spec builder serve and ``neuron-lmi compile --target neuron`` share."""
+    import json
+
+    from neuron_lmi.backends.neuron import compile_spec_from_config
+    from neuron_lmi.config import load_config
+
+    model = tmp_path / "config-only"  # a dry run's model folder may hold only config.json
+    model.mkdir()
+    hf = json.loads((tiny_llama_dir / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf, "max_position_embeddings": 8192}))
+    props = tmp_path / "serving.properties"
+    props.write_text(
+        "option.tensor_parallel_degree=2\noption.max_rolling_batch_size=8\noption.dtype=bf16\n"
+        "option.fuse_qkv=true\noption.quantize=static_int8\noption.neuron_optimize_level=3\n"
+        "option.enable_saturate_infinity=true\noption.enable_mixed_precision_accumulation=true\n"
+        "option.group_query_attention=shard-over-batch\n"
+    )
+    config = load_config(properties_path=props, env={}).config
+    spec = compile_spec_from_config(config, str(model))
+    assert (spec.tp_degree, spec.batch_size, spec.dtype) == (2, 8, "bf16")
+    assert (spec.fuse_qkv, spec.quantize, spec.neuron_optimize_level) == (True, "static_int8", 3)
+    assert spec.enable_saturate_infinity and spec.enable_mixed_precision_accumulation
+    assert spec.n_positions == 4096  # LMI's default min(max_position_embeddings, 4096)
+    n_q, n_kv = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
+    assert (spec.n_query_heads, spec.n_kv_heads) == (n_q, n_kv)
+    assert spec.head_dim == hf.get("head_dim", hf["hidden_size"] // n_q)
+    mapped = neuron.plan_neuron_compile(spec, CompileCache(tmp_path / "store"), {})
+    assert mapped.gqa_strategy != "shard-over-batch" and "batch 1" in mapped.notes[0]
+    assert (
+        mapped.env["NEURON_CC_FLAGS"]
+        == "-O3 --enable-saturate-infinity --enable-mixed-precision-accumulation"
+    )
 
 
 def test_unknown_architecture_is_rejected() -> None:

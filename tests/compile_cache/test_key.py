@@ -37,6 +37,7 @@ CHANGES = {
     "gqa_strategy": "shard-over-heads",
     "compiler_flags": ("-O2",),
     "weights_fingerprint": "content:abc",
+    "library_args": {"neuron_config": {"fused_qkv": True}},
     "format_version": ARTIFACT_FORMAT_VERSION + 1,
 }
 

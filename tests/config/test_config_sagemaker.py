@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from neuron_lmi.config import load_config, sagemaker_model_dir
+from neuron_lmi.config import load_config, sagemaker_model_dir, sagemaker_root
 
 
 def make_model_dir(root: Path, properties: str | None, weights: str | None) -> Path:
@@ -23,8 +23,28 @@ def make_model_dir(root: Path, properties: str | None, weights: str | None) -> P
 
 
 def test_default_model_dir_is_opt_ml_model():
+    assert sagemaker_root({}) == Path("/opt/ml")
     assert sagemaker_model_dir({}) == Path("/opt/ml/model")
-    assert sagemaker_model_dir({"SM_MODEL_DIR": "/x"}) == Path("/x")
+    # the SageMaker root can be moved (tests, local rehearsals); SM_MODEL_DIR still names the folder
+    assert sagemaker_model_dir({"NEURON_LMI_SAGEMAKER_ROOT": "/tmp/sm"}) == Path("/tmp/sm/model")
+    assert sagemaker_model_dir({"SM_MODEL_DIR": "/x", "NEURON_LMI_SAGEMAKER_ROOT": "/tmp/sm"}) == Path("/x")
+
+
+def test_env_only_deployment_reads_the_sagemaker_root_without_sm_model_dir(tmp_path: Path):
+    """What SageMaker hosting gives: /opt/ml/model with the weights, options in OPTION_* variables,
+    no serving.properties and no SM_MODEL_DIR (a training variable)."""
+    root = tmp_path / "opt" / "ml"
+    sm = make_model_dir(root / "model", None, "hf")
+    env = {"NEURON_LMI_SAGEMAKER_ROOT": str(root), "OPTION_MAX_ROLLING_BATCH_SIZE": "4"}
+    env["OPTION_N_POSITIONS"] = "256"
+    resolved = load_config({}, None, env)
+    assert resolved.config.model.model_id == str(sm)
+    assert resolved.sources["model_id"] == f"model_dir:{sm}"
+    assert resolved.properties_path is None
+    assert resolved.config.batching.max_rolling_batch_size == 4
+    assert resolved.sources["n_positions"] == "env:OPTION_N_POSITIONS"
+    with_hub_id = load_config({}, None, {**env, "HF_MODEL_ID": "org/model"})  # HF_MODEL_ID wins
+    assert with_hub_id.config.model.model_id == "org/model"
 
 
 def test_properties_and_weights_in_the_model_dir(tmp_path: Path):

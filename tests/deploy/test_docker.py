@@ -69,3 +69,10 @@ def test_variant_specifics() -> None:
     for package in ("aws-neuronx-runtime-lib", "aws-neuronx-tools", "torch-neuronx", "transformers-neuronx"):
         assert package in neuron
     assert "vllm/vllm-openai:" in (DOCKER_DIR / "Dockerfile.cuda").read_text()
+
+
+@pytest.mark.parametrize("variant", ["cpu", "neuron"])
+def test_image_runs_as_root_as_sagemaker_expects(variant: str) -> None:
+    """SageMaker starts the container as root: no USER instruction, or a last one naming root."""
+    users = re.findall(r"^USER\s+(\S+)", (DOCKER_DIR / f"Dockerfile.{variant}").read_text(), re.M)
+    assert not users or users[-1] in ("root", "0", "root:root", "0:0"), f"the image runs as USER {users[-1]}"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import subprocess
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 
+from compile_cache import default_cache_root
+from neuron_lmi.backends.builders.common import model_cache_dir
 from neuron_lmi.config import load_config
 
 INSTANCE_DIR = Path(__file__).resolve().parents[2] / "deploy" / "instance"
@@ -56,6 +59,43 @@ def test_unit_file() -> None:
     env = parse_env_file((INSTANCE_DIR / "neuron-lmi.env").read_text())
     grace = float(env["SERVING_GRACE_PERIOD_S"])
     assert int(service["TimeoutStopSec"][0]) > grace, "systemd must wait for the server's drain"
+
+
+def unit_environment(service: dict[str, list[str]]) -> dict[str, str]:
+    """``Environment=`` lines: space-separated, optionally quoted ``KEY=VALUE`` assignments."""
+    env = {}
+    for line in service.get("Environment", []):
+        for assignment in shlex.split(line):
+            key, sep, value = assignment.partition("=")
+            if not sep:
+                raise ValueError(f"Environment={line!r}: not KEY=VALUE")
+            env[key] = value
+    return env
+
+
+def test_caches_live_in_the_units_own_directories(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A system user has no home directory: systemd creates StateDirectory (/var/lib/<name>) and
+    CacheDirectory (/var/cache/<name>) for it, and every download and compile cache points there."""
+    service = parse_unit((INSTANCE_DIR / "neuron-lmi.service").read_text())["Service"]
+    assert service["StateDirectory"] == ["neuron-lmi"] and service["CacheDirectory"] == ["neuron-lmi"]
+    roots = (PurePosixPath("/var/lib/neuron-lmi"), PurePosixPath("/var/cache/neuron-lmi"))
+    # the environment file is read after Environment= and overrides it, as systemd does
+    env = {**unit_environment(service), **parse_env_file((INSTANCE_DIR / "neuron-lmi.env").read_text())}
+    for name in ("NEURON_LMI_CACHE_DIR", "NEURON_LMI_MODEL_CACHE", "HF_HOME", "HOME", "XDG_CACHE_HOME"):
+        assert any(PurePosixPath(env[name]).is_relative_to(root) for root in roots), (name, env.get(name))
+    assert PurePosixPath(service["WorkingDirectory"][0]) in roots
+    compiled = env["OPTION_COMPILED_GRAPH_PATH"]
+    assert compiled.startswith("s3://") or PurePosixPath(compiled).is_relative_to(roots[1])
+
+    # what the server itself resolves from that environment, with no home directory to fall back on
+    def no_home(cls: type) -> Path:
+        raise RuntimeError("the service user has no home directory")
+
+    monkeypatch.setattr(Path, "home", classmethod(no_home))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert default_cache_root() == Path("/var/cache/neuron-lmi/compile")  # compiled s3:// entries
+    assert model_cache_dir(env) == Path("/var/cache/neuron-lmi/models")  # s3:// and Hub models
 
 
 def test_environment_file_is_a_valid_config(tmp_path: Path) -> None:

@@ -63,13 +63,13 @@ def test_archive_has_files_at_root_and_valid_properties(tmp_path, model_dir, com
         assert members["model.safetensors"].isfile() and members["model.safetensors"].size == 4096
         assert all(m.uid == 0 and not m.name.startswith(("./", "/")) for m in members.values())
         properties = tar.extractfile("serving.properties").read().decode()  # type: ignore[union-attr]
-        tar.extractall(tmp_path / "opt_ml_model", filter="data")
+        tar.extractall(tmp_path / "opt" / "ml" / "model", filter="data")
     assert "option.tensor_parallel_degree=2\n" in properties
     assert "option.compiled_graph_path=/opt/ml/model/compiled\n" in properties
     assert "job_queue_size=64\n" in properties and "option.model_id" not in properties
     # what the server will do inside the container: the unpacked folder is the model
-    unpacked = tmp_path / "opt_ml_model"
-    resolved = load_config(None, None, {"SM_MODEL_DIR": str(unpacked)})
+    unpacked = tmp_path / "opt" / "ml" / "model"
+    resolved = load_config(None, None, {"NEURON_LMI_SAGEMAKER_ROOT": str(unpacked.parent)})
     assert resolved.config.model.model_id == str(unpacked)
     assert resolved.config.parallel.tensor_parallel_degree == 2
     assert resolved.config.batching.n_positions == 1024
@@ -90,7 +90,6 @@ def test_gguf_into_directory_with_properties_file(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("option", "match"),
     [
-        ("option.not_a_key=1", "option.not_a_key"),
         ("option.tensor_parallel_degree=three", "tensor_parallel_degree"),
         ("option.dtype=int3", "dtype"),
         ("option.model_id=/home/me/llama", "option.model_id"),
@@ -112,3 +111,46 @@ def test_inputs_are_checked(tmp_path, model_dir) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"no config\.json"):
         run_package("--model", str(tmp_path / "empty"), "--out", str(tmp_path / "m.tar.gz"))
+
+
+def test_builtin_model_name_is_packaged_like_serve_resolves_it(tmp_path, smollm2_gguf) -> None:
+    out = tmp_path / "opt" / "ml" / "model"
+    option = "option.max_rolling_batch_size=4"
+    assert run_package("--model", "smollm2", "--option", option, "--out", str(out)) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted([smollm2_gguf.name, "serving.properties"])
+    assert (out / smollm2_gguf.name).stat().st_size == smollm2_gguf.stat().st_size
+    resolved = load_config(None, None, {"NEURON_LMI_SAGEMAKER_ROOT": str(out.parent)})
+    assert resolved.config.model.model_id == str(out)  # the folder holding the .gguf is the model
+    assert resolved.config.batching.max_rolling_batch_size == 4
+
+
+@pytest.mark.parametrize("value", ["/opt/ml/model", "/opt/ml/model/"])
+def test_lmi_model_id_for_uncompressed_artifacts_is_kept(tmp_path, model_dir, value) -> None:
+    """LMI's uncompressed-artifact idiom: ``option.model_id=/opt/ml/model`` beside the weights."""
+    props = tmp_path / "lmi.properties"
+    props.write_text(f"engine=Python\noption.model_id={value}\noption.tensor_parallel_degree=2\n")
+    out = tmp_path / "pkg"
+    assert run_package("--model", str(model_dir), "--properties", str(props), "--out", str(out)) == 0
+    written = read_properties(out / "serving.properties")
+    assert written["option.model_id"] == value and written["option.tensor_parallel_degree"] == "2"
+    assert (out / "model.safetensors").is_file()
+
+
+def test_unknown_keys_are_kept_with_a_warning_as_serve_does(
+    tmp_path, model_dir, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = tmp_path / "pkg"
+    with caplog.at_level("WARNING", logger="neuron_lmi.commands.package"):
+        code = run_package(
+            "--model", str(model_dir), "--out", str(out), "--option", "option.n_positions=512",
+            "--option", "option.entryPoint=djl_python.transformers_neuronx",
+        )  # fmt: skip
+    assert code == 0
+    assert "option.entryPoint" in caplog.text and "does not support" in caplog.text
+    written = read_properties(out / "serving.properties")
+    assert written["option.entryPoint"] == "djl_python.transformers_neuronx"  # LMI still sees it
+    assert written["option.n_positions"] == "512"
+    # serve reads the packaged file the same way: the key is ignored with a warning, not an error
+    env = {"NEURON_LMI_SAGEMAKER_ROOT": str(tmp_path / "no")}
+    resolved = load_config(None, out / "serving.properties", env)
+    assert "option.entryPoint" in resolved.ignored and resolved.config.batching.n_positions == 512

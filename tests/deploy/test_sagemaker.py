@@ -1,27 +1,37 @@
-"""SageMaker resources and the deploy CLI: every boto3 call checked by botocore's Stubber against
-AWS's own API model (S3 uploads: test_sagemaker_s3.py; invoke and streams: test_sagemaker_invoke.py)."""
+"""SageMaker resources, instance-family rules and autoscaling: every boto3 call checked by botocore's
+Stubber against AWS's own API model (CLI flows, update and delete: test_sagemaker_lifecycle.py;
+S3 uploads: test_sagemaker_s3.py; invoke and streams: test_sagemaker_invoke.py)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import boto3
+import botocore.session
 import pytest
 from botocore.stub import Stubber
 
-from deploy.sagemaker import (
+from neuron_lmi.deploy.sagemaker import (
     AutoscalingSpec,
     EndpointConfigSpec,
     InferenceComponentSpec,
     ModelSpec,
+    ScaleFromZeroSpec,
+    accepts_volume_size,
+    check_accelerators,
     create_endpoint,
     create_endpoint_config,
     create_inference_component,
     create_model,
+    devices_needed,
     enable_autoscaling,
+    enable_scale_from_zero,
 )
-from deploy.sagemaker.__main__ import build_parser
+from neuron_lmi.deploy.sagemaker.scaling import METRICS
 
 REGION = "us-east-1"
 ROLE = "arn:aws:iam::123456789012:role/SageMakerRole"
@@ -73,6 +83,7 @@ def test_endpoint_config_on_inf2_with_timeouts(sagemaker) -> None:
     assert variant["ContainerStartupHealthCheckTimeoutInSeconds"] == 2400
     assert variant["ModelDataDownloadTimeoutInSeconds"] == 1800
     assert variant["VolumeSizeInGB"] == 128 and variant["ModelName"] == "mistral"
+    assert "ManagedInstanceScaling" not in variant
     stub.add_response(
         "create_endpoint_config", {"EndpointConfigArn": arn("endpoint-config", "mistral")}, request
     )
@@ -83,17 +94,17 @@ def test_endpoint_config_on_inf2_with_timeouts(sagemaker) -> None:
         {"EndpointArn": arn("endpoint", "mistral")},
         {"EndpointName": "mistral", "EndpointConfigName": "mistral"},
     )
-    stub.add_response("describe_endpoint", _described("Creating"), {"EndpointName": "mistral"})
-    stub.add_response("describe_endpoint", _described("InService"), {"EndpointName": "mistral"})
+    stub.add_response("describe_endpoint", described("Creating"), {"EndpointName": "mistral"})
+    stub.add_response("describe_endpoint", described("InService"), {"EndpointName": "mistral"})
     assert create_endpoint(sm, "mistral", "mistral", wait=True, max_wait_s=60, poll_s=0) == arn(
         "endpoint", "mistral"
     )
 
 
-def _described(status: str) -> dict[str, Any]:
+def described(status: str, name: str = "mistral") -> dict[str, Any]:
     return {
-        "EndpointName": "mistral",
-        "EndpointArn": arn("endpoint", "mistral"),
+        "EndpointName": name,
+        "EndpointArn": arn("endpoint", name),
         "EndpointStatus": status,
         "CreationTime": "2026-01-01T00:00:00Z",
         "LastModifiedTime": "2026-01-01T00:00:00Z",
@@ -108,6 +119,9 @@ def _described(status: str) -> dict[str, Any]:
         ({"volume_size_gb": 1024}, "volume_size_gb"),
         ({"instance_type": "inf2.48xlarge"}, "ml."),
         ({"inference_components": True}, "role_arn"),
+        ({"min_instances": 0}, "plain production variant cannot scale to zero"),
+        ({"min_instances": 1, "max_instances": 3}, "inference components"),
+        ({"inference_components": True, "role_arn": ROLE, "min_instances": 2, "max_instances": 1}, "min <="),
     ],
 )
 def test_endpoint_config_rejects_bad_values(kwargs, match) -> None:
@@ -115,18 +129,110 @@ def test_endpoint_config_rejects_bad_values(kwargs, match) -> None:
         EndpointConfigSpec("c", "m", **kwargs).request()
 
 
+@pytest.mark.parametrize(
+    ("instance_type", "accepts"),
+    [
+        ("ml.inf2.24xlarge", True),
+        ("ml.inf2.xlarge", True),
+        ("ml.m5.xlarge", True),
+        ("ml.c5.2xlarge", True),
+        ("ml.g5.12xlarge", False),
+        ("ml.g6e.xlarge", False),
+        ("ml.trn1.32xlarge", False),
+        ("ml.trn1n.32xlarge", False),
+        ("ml.g4dn.xlarge", False),
+        ("ml.p4d.24xlarge", False),
+        ("ml.p4de.24xlarge", False),
+        ("ml.p3dn.24xlarge", False),
+        ("ml.m5d.large", False),
+        ("ml.c6id.large", False),
+    ],
+)
+def test_volume_size_only_where_the_family_accepts_it(instance_type: str, accepts: bool) -> None:
+    assert accepts_volume_size(instance_type) is accepts
+    spec = EndpointConfigSpec("c", "m", instance_type=instance_type, volume_size_gb=256)
+    if accepts:
+        assert spec.request()["ProductionVariants"][0]["VolumeSizeInGB"] == 256
+    else:
+        with pytest.raises(ValueError, match="local NVMe"):
+            spec.request()
+        bare = EndpointConfigSpec("c", "m", instance_type=instance_type).request()
+        assert "VolumeSizeInGB" not in bare["ProductionVariants"][0]
+
+
+@pytest.mark.parametrize(
+    ("instance_type", "tp", "devices"),
+    [
+        ("ml.inf2.xlarge", 2, 1),  # 2 NeuronCores per Inferentia2 device
+        ("ml.inf2.24xlarge", 8, 4),
+        ("ml.inf2.48xlarge", 24, 12),
+        ("ml.trn1.32xlarge", 32, 16),
+        ("ml.trn2.48xlarge", 64, 16),  # 8 NeuronCore-v3 per device, pairs at LNC=2
+        ("ml.g5.12xlarge", 4, 4),  # one GPU per rank
+        ("ml.p4d.24xlarge", 8, 8),
+        ("ml.m5.xlarge", 1, None),  # no accelerator: nothing to count
+    ],
+)
+def test_devices_per_copy_follow_the_tensor_parallel_degree(instance_type: str, tp: int, devices) -> None:
+    assert devices_needed(instance_type, tp) == devices
+    check_accelerators(instance_type, tp, devices)
+
+
+@pytest.mark.parametrize(
+    ("instance_type", "tp", "accelerators", "match"),
+    [
+        ("ml.inf2.48xlarge", 8, 8, "needs 4 .*leave 4 idle"),  # counted cores, not devices
+        ("ml.inf2.48xlarge", 8, 2, "cannot hold the ranks"),
+        ("ml.g5.12xlarge", 4, 1, "needs 4 GPUs"),
+        ("ml.inf2.xlarge", 8, None, "ml.inf2.xlarge has 1"),
+        ("ml.inf2.24xlarge", 24, None, "has 6"),
+    ],
+)
+def test_accelerators_that_do_not_fit_the_degree_are_refused(instance_type, tp, accelerators, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_accelerators(instance_type, tp, accelerators)
+    spec = InferenceComponentSpec(
+        "ic",
+        "ep",
+        "m",
+        accelerators=accelerators or 1,
+        instance_type=instance_type,
+        tensor_parallel_degree=tp,
+    )
+    with pytest.raises(ValueError, match="tensor_parallel_degree"):
+        spec.request()
+
+
 def test_inference_components_and_their_autoscaling(sagemaker, monkeypatch) -> None:
     sm, stub = sagemaker
     config = EndpointConfigSpec(
-        "ep", instance_type="ml.inf2.24xlarge", inference_components=True, role_arn=ROLE
+        "ep",
+        instance_type="ml.inf2.24xlarge",
+        inference_components=True,
+        role_arn=ROLE,
+        min_instances=1,
+        max_instances=3,
     )
     request = config.request()
-    assert "ModelName" not in request["ProductionVariants"][0] and request["ExecutionRoleArn"] == ROLE
+    (variant,) = request["ProductionVariants"]
+    assert "ModelName" not in variant and request["ExecutionRoleArn"] == ROLE
+    assert variant["ManagedInstanceScaling"] == {
+        "Status": "ENABLED",
+        "MinInstanceCount": 1,
+        "MaxInstanceCount": 3,
+    }
     stub.add_response("create_endpoint_config", {"EndpointConfigArn": arn("endpoint-config", "ep")}, request)
     create_endpoint_config(sm, config)
 
     component = InferenceComponentSpec(
-        "llama-ic", "ep", "llama", copies=2, accelerators=4, min_memory_mb=32768
+        "llama-ic",
+        "ep",
+        "llama",
+        copies=2,
+        accelerators=4,
+        min_memory_mb=32768,
+        instance_type="ml.inf2.24xlarge",
+        tensor_parallel_degree=8,
     )
     ic_request = component.request()
     assert ic_request["RuntimeConfig"] == {"CopyCount": 2}
@@ -139,21 +245,13 @@ def test_inference_components_and_their_autoscaling(sagemaker, monkeypatch) -> N
         {"InferenceComponentArn": arn("inference-component", "llama")},
         ic_request,
     )
-    described = {
-        "InferenceComponentName": "llama-ic",
-        "InferenceComponentArn": arn("inference-component", "llama"),
-        "EndpointName": "ep",
-        "EndpointArn": arn("endpoint", "ep"),
-        "CreationTime": "2026-01-01T00:00:00Z",
-        "LastModifiedTime": "2026-01-01T00:00:00Z",
-    }
     for state in ("Creating", "InService"):
         stub.add_response(
             "describe_inference_component",
-            {**described, "InferenceComponentStatus": state},
+            {**described_component("llama-ic", "ep"), "InferenceComponentStatus": state},
             {"InferenceComponentName": "llama-ic"},
         )
-    monkeypatch.setattr("deploy.sagemaker.resources.time.sleep", lambda _s: None)
+    monkeypatch.setattr("neuron_lmi.deploy.sagemaker.resources.time.sleep", lambda _s: None)
     assert create_inference_component(sm, component, wait=True, max_wait_s=60) == arn(
         "inference-component", "llama"
     )
@@ -172,9 +270,23 @@ def test_inference_components_and_their_autoscaling(sagemaker, monkeypatch) -> N
         aas_stub.assert_no_pending_responses()
 
 
+def described_component(name: str, endpoint: str, model: str | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "InferenceComponentName": name,
+        "InferenceComponentArn": arn("inference-component", name),
+        "EndpointName": endpoint,
+        "EndpointArn": arn("endpoint", endpoint),
+        "CreationTime": "2026-01-01T00:00:00Z",
+        "LastModifiedTime": "2026-01-01T00:00:00Z",
+    }
+    if model is not None:
+        out["Specification"] = {"ModelName": model}
+    return out
+
+
 def test_variant_target_tracking_policy() -> None:
     aas = client("application-autoscaling")
-    scaling = AutoscalingSpec("ep", min_capacity=1, max_capacity=4, target_invocations=120)
+    scaling = AutoscalingSpec("ep", min_capacity=1, max_capacity=4, target_value=120)
     with Stubber(aas) as stub:
         stub.add_response(
             "register_scalable_target",
@@ -200,69 +312,78 @@ def test_variant_target_tracking_policy() -> None:
         stub.assert_no_pending_responses()
     with pytest.raises(ValueError, match="capacity"):
         AutoscalingSpec("ep", min_capacity=5, max_capacity=2).target_request()
+    with pytest.raises(ValueError, match="plain production variant cannot scale to zero"):
+        AutoscalingSpec("ep", min_capacity=0, max_capacity=2).target_request()
 
 
-def test_cli_parses_a_full_deploy() -> None:
-    args = build_parser().parse_args(
-        [
-            "deploy",
-            "--name",
-            "m",
-            "--image",
-            IMAGE,
-            "--role",
-            ROLE,
-            "--model-data",
-            "s3://b/m/",
-            "--instance-type",
-            "ml.inf2.24xlarge",
-            "--autoscale",
-            "1:4:90",
-            "--inference-components",
-        ]
+@pytest.mark.parametrize("component", [None, "ic"])
+def test_concurrency_metrics_are_aws_predefined_types(component: str | None) -> None:
+    """The four metric names are members of Application Auto Scaling's MetricType enum (Stubber
+    checks types and required fields but not enum values, so the model is read here)."""
+    model = botocore.session.get_session().get_service_model("application-autoscaling")
+    assert set(METRICS.values()) <= set(model.shape_for("MetricType").enum)
+    scaling = AutoscalingSpec("ep", inference_component=component, target_value=4, metric="concurrency")
+    policy = scaling.policy_request()
+    metric = policy["TargetTrackingScalingPolicyConfiguration"]["PredefinedMetricSpecification"]
+    expected = (
+        "SageMakerInferenceComponentConcurrentRequestsPerCopyHighResolution"
+        if component
+        else "SageMakerVariantConcurrentRequestsPerModelHighResolution"
     )
-    assert args.autoscale == (1, 4, 90.0) and args.instance_type == "ml.inf2.24xlarge"
-    assert args.startup_timeout == 1800 and args.inference_components
+    assert metric["PredefinedMetricType"] == expected
+    aas = client("application-autoscaling")
+    with Stubber(aas) as stub:
+        stub.add_response("register_scalable_target", {}, scaling.target_request())
+        stub.add_response("put_scaling_policy", {"PolicyARN": arn("policy", "c"), "Alarms": []}, policy)
+        enable_autoscaling(aas, scaling)
+        stub.assert_no_pending_responses()
+    with pytest.raises(ValueError, match="metric"):
+        AutoscalingSpec("ep", metric="latency").policy_request()
 
 
-def test_cli_deploy_makes_the_calls_in_order(monkeypatch) -> None:
-    sm, aas = client("sagemaker"), client("application-autoscaling")
-    monkeypatch.setattr(
-        "deploy.sagemaker.__main__._client", lambda _a, service, **_k: {"sagemaker": sm}.get(service, aas)
-    )
-    argv = [
-        "deploy",
-        "--name",
-        "m",
-        "--image",
-        IMAGE,
-        "--role",
-        ROLE,
-        "--model-data",
-        "s3://b/m/model.tar.gz",
-    ]
-    argv += ["--env", "OPTION_TENSOR_PARALLEL_DEGREE=2", "--instance-type", "ml.inf2.xlarge"]
-    args = build_parser().parse_args([*argv, "--autoscale", "1:3:50"])
-    with Stubber(sm) as sm_stub, Stubber(aas) as aas_stub:
-        model = ModelSpec("m", IMAGE, ROLE, "s3://b/m/model.tar.gz", {"OPTION_TENSOR_PARALLEL_DEGREE": "2"})
-        sm_stub.add_response("create_model", {"ModelArn": arn("model", "m")}, model.request())
-        config = EndpointConfigSpec("m", "m", instance_type="ml.inf2.xlarge")
-        sm_stub.add_response(
-            "create_endpoint_config", {"EndpointConfigArn": arn("endpoint-config", "m")}, config.request()
-        )
-        sm_stub.add_response(
-            "create_endpoint",
-            {"EndpointArn": arn("endpoint", "m")},
-            {"EndpointName": "m", "EndpointConfigName": "m"},
-        )
-        sm_stub.add_response(
-            "describe_endpoint", {**_described("InService"), "EndpointName": "m"}, {"EndpointName": "m"}
-        )
-        scaling = AutoscalingSpec("m", min_capacity=1, max_capacity=3, target_invocations=50)
-        aas_stub.add_response("register_scalable_target", {}, scaling.target_request())
-        aas_stub.add_response(
-            "put_scaling_policy", {"PolicyARN": arn("policy", "m"), "Alarms": []}, scaling.policy_request()
-        )
-        assert args.func(args) == 0
-        sm_stub.assert_no_pending_responses()
+def test_scale_from_zero_step_policy_and_no_capacity_alarm() -> None:
+    aas, cloudwatch = client("application-autoscaling"), client("cloudwatch")
+    spec = ScaleFromZeroSpec("llama-ic")
+    policy = spec.policy_request()
+    assert policy["ResourceId"] == "inference-component/llama-ic"
+    assert policy["ScalableDimension"] == "sagemaker:inference-component:DesiredCopyCount"
+    assert policy["PolicyType"] == "StepScaling"
+    step = policy["StepScalingPolicyConfiguration"]
+    assert step["AdjustmentType"] == "ChangeInCapacity"
+    assert step["StepAdjustments"] == [{"MetricIntervalLowerBound": 0.0, "ScalingAdjustment": 1}]
+    policy_arn = "arn:aws:autoscaling:us-east-1:123456789012:scalingPolicy:x:resource/sagemaker/from-zero"
+    alarm = spec.alarm_request(policy_arn)
+    assert alarm["MetricName"] == "NoCapacityInvocationFailures" and alarm["Namespace"] == "AWS/SageMaker"
+    assert alarm["Dimensions"] == [{"Name": "InferenceComponentName", "Value": "llama-ic"}]
+    assert alarm["AlarmActions"] == [policy_arn]
+    assert alarm["Threshold"] == 1.0 and alarm["ComparisonOperator"] == "GreaterThanOrEqualToThreshold"
+    with Stubber(aas) as aas_stub, Stubber(cloudwatch) as cw_stub:
+        aas_stub.add_response("put_scaling_policy", {"PolicyARN": policy_arn, "Alarms": []}, policy)
+        cw_stub.add_response("put_metric_alarm", {}, alarm)
+        assert enable_scale_from_zero(aas, cloudwatch, spec) == "llama-ic-no-capacity"
         aas_stub.assert_no_pending_responses()
+        cw_stub.assert_no_pending_responses()
+
+
+def test_deploy_ships_in_the_package_outside_a_checkout(tmp_path: Path) -> None:
+    """``neuron-lmi deploy`` runs from any directory; the repository's ``deploy/`` is not importable
+    there, so nothing depends on a checkout."""
+    script = (
+        "import importlib.util, sys\n"
+        "from neuron_lmi.cli import build_parser\n"
+        "assert importlib.util.find_spec('deploy') is None, 'deploy/ reachable'\n"
+        "build_parser().parse_args(sys.argv[1:])\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-c", script, "deploy", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    for action in ("upload", "create", "update", "delete", "autoscale", "invoke-stream"):
+        assert action in result.stdout

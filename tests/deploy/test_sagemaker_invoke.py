@@ -12,7 +12,7 @@ import pytest
 from botocore.response import StreamingBody
 from botocore.stub import Stubber
 
-from deploy.sagemaker import EndpointError, JsonLinesDecoder, generate, iter_stream_objects
+from neuron_lmi.deploy.sagemaker import EndpointError, JsonLinesDecoder, generate, iter_stream_objects
 
 REGION = "us-east-1"
 CREDS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": REGION}

@@ -12,8 +12,9 @@ from typing import Any
 import boto3
 import pytest
 
-from deploy.sagemaker import upload_archive, upload_directory
-from deploy.sagemaker.__main__ import build_parser
+from neuron_lmi.cli import main
+from neuron_lmi.deploy.sagemaker import upload_archive, upload_directory
+from neuron_lmi.deploy.sagemaker.cli import build_parser
 
 REGION = "us-east-1"
 CREDS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": REGION}
@@ -81,3 +82,33 @@ def test_upload_archive_and_prefix_to_local_s3(tmp_path: Path, s3_endpoint: str)
             mp.setenv(key, value)
         assert code.func(code) == 0
     assert s3.head_object(Bucket="models", Key="cli.tar.gz")["ContentLength"] == archive.stat().st_size
+
+
+@pytest.mark.s3
+def test_upload_refuses_a_prefix_that_already_holds_objects(
+    tmp_path: Path, s3_endpoint: str, monkeypatch, capsys
+) -> None:
+    """SageMaker copies every object under an uncompressed prefix into /opt/ml/model: a stale shard or
+    serving.properties from an earlier upload would be served beside the new files."""
+    s3 = client("s3", endpoint_url=s3_endpoint)
+    s3.create_bucket(Bucket="reuse")
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    (old / "model-00002-of-00002.safetensors").write_bytes(b"old shard")
+    (new / "model.safetensors").write_bytes(b"new weights")
+    assert upload_directory(s3, old, "s3://reuse/llama") == "s3://reuse/llama/"
+
+    with pytest.raises(ValueError, match=r"s3://reuse/llama/ is not empty .*model-00002-of-00002"):
+        upload_directory(s3, new, "s3://reuse/llama/")
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="reuse")["Contents"]]
+    assert keys == ["llama/model-00002-of-00002.safetensors"], "nothing uploaded after the refusal"
+
+    # a sibling prefix sharing the name's start is a different prefix
+    assert upload_directory(s3, new, "s3://reuse/llama-v2/") == "s3://reuse/llama-v2/"
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    argv = ["deploy", "--region", REGION, "upload", "--path", str(new), "--s3", "s3://reuse/llama/"]
+    assert main([*argv, "--endpoint-url", s3_endpoint]) == 2
+    assert "is not empty" in capsys.readouterr().err

@@ -1,21 +1,28 @@
 """The CPU image's SageMaker start-up contract, without Docker.
 
-The image runs ``ENTRYPOINT ["neuron-lmi"]`` + ``CMD ["serve"]``; SageMaker puts the model
-artifacts in ``/opt/ml/model`` (here ``SM_MODEL_DIR``, never the real ``/opt/ml``) and, for images
-labelled ``accept-bind-to-port=true``, names the port in ``SAGEMAKER_BIND_TO_PORT``. So this runs
-``neuron-lmi serve`` with no arguments on a ``neuron-lmi package`` output (a directory, and a
-``model.tar.gz`` unpacked with ``tar -xzf``) and checks what SageMaker relies on: the listening
-socket is 0.0.0.0 on that port, ``GET /ping`` answers promptly, never 200 before the model is loaded,
-then 200; ``POST /invocations`` (LMI schema) returns ``generated_text``; ``stream: true`` gives JSON
-lines that ``deploy.sagemaker``'s stream decoder re-assembles from arbitrary ``PayloadPart`` cuts;
-the configuration comes from the packaged ``serving.properties``; SIGTERM exits 0.
+SageMaker runs the image as ``docker run <image> serve``: the Dockerfile's ENTRYPOINT plus ``serve``
+(read from ``Dockerfile.cpu`` here). It mounts ``/opt/ml`` (here a temporary folder named by
+``NEURON_LMI_SAGEMAKER_ROOT``, never the real ``/opt/ml``) with the model artifacts in
+``/opt/ml/model``, sets no ``SM_MODEL_DIR`` (a training variable), and, for images labelled
+``accept-bind-to-port=true``, may name the port in ``SAGEMAKER_BIND_TO_PORT``. So this runs that
+command on a ``neuron-lmi package`` output (a directory, and a ``model.tar.gz`` unpacked with
+``tar -xzf``), and on an environment-only deployment (``HF_MODEL_ID``, ``OPTION_*``, no
+serving.properties), and checks what SageMaker relies on: the listening socket is 0.0.0.0 on that
+port, ``GET /ping`` answers promptly, never 200 before the model is loaded, then 200;
+``POST /invocations`` (LMI schema) returns ``generated_text``; ``stream: true`` gives JSON lines that
+``deploy.sagemaker``'s stream decoder re-assembles from arbitrary ``PayloadPart`` cuts; the
+configuration comes from the packaged ``serving.properties`` or the environment; SIGTERM exits 0,
+and before SageMaker's SIGKILL 30 s later even when a request holds the drain.
 The client only ever talks to 127.0.0.1.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator, Mapping
@@ -38,7 +45,9 @@ REQUEST = {
     "parameters": {"max_new_tokens": NEW_TOKENS, "do_sample": False, "ignore_eos": True},
 }
 # What the real container would not have: configuration from the developer's shell.
-STRIPPED_PREFIXES = ("OPTION_", "SERVING_", "SM_", "SAGEMAKER_", "HF_MODEL_ID", "NEURON_LMI_API_KEY")
+STRIPPED_PREFIXES = ("OPTION_", "SERVING_", "SM_", "SAGEMAKER_", "HF_MODEL_ID", "NEURON_LMI_")
+DOCKERFILE = Path(__file__).resolve().parents[2] / "deploy" / "docker" / "Dockerfile.cpu"
+SAGEMAKER_KILL_S = 30.0  # SageMaker sends SIGKILL this long after SIGTERM
 
 
 def _package(model: Path, out: Path) -> None:
@@ -53,14 +62,26 @@ def _package(model: Path, out: Path) -> None:
 def packaged(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """``neuron-lmi package`` into a directory (S3-prefix layout) and into ``model.tar.gz``."""
     tmp = tmp_path_factory.mktemp("sm_package")
-    _package(tiny_llama_dir, tmp / "prefix")
+    _package(tiny_llama_dir, tmp / "prefix" / "opt" / "ml" / "model")  # copied there as SageMaker does
     _package(tiny_llama_dir, tmp / "model.tar.gz")
-    return {"dir": tmp / "prefix", "archive": tmp / "model.tar.gz"}
+    return {"dir": tmp / "prefix" / "opt" / "ml" / "model", "archive": tmp / "model.tar.gz"}
 
 
-def _sagemaker_env(model_dir: Path, port: int) -> dict[str, str]:
+def _entry_command() -> list[str]:
+    """``docker run <image> serve``: the image's ENTRYPOINT with ``serve`` in place of its CMD."""
+    found = re.search(r"^ENTRYPOINT (\[.*\])$", DOCKERFILE.read_text(), re.M)
+    assert found, f"no exec-form ENTRYPOINT in {DOCKERFILE}"
+    entrypoint = json.loads(found.group(1))
+    assert entrypoint[0] == "neuron-lmi", entrypoint
+    return [*cli_command(), *entrypoint[1:], "serve"]
+
+
+def _sagemaker_env(model_dir: Path, port: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The container's environment: ``/opt/ml`` is ``model_dir``'s parent; no SM_MODEL_DIR."""
+    assert model_dir.name == "model", model_dir
     env = {k: v for k, v in os.environ.items() if not k.startswith(STRIPPED_PREFIXES)}
-    env.update(SM_MODEL_DIR=str(model_dir), SAGEMAKER_BIND_TO_PORT=str(port), HF_HUB_OFFLINE="1")
+    env.update(NEURON_LMI_SAGEMAKER_ROOT=str(model_dir.parent), SAGEMAKER_BIND_TO_PORT=str(port))
+    env.update(HF_HUB_OFFLINE="1", **(extra or {}))
     return env
 
 
@@ -103,7 +124,7 @@ def _wait_until_ready(proc: subprocess.Popen[bytes], url: str, log: Path) -> lis
 
 
 def _print_config(env: Mapping[str, str]) -> str:
-    args = [*cli_command(), "serve", "--print-config"]
+    args = [*_entry_command(), "--print-config"]
     done = subprocess.run(args, env=dict(env), capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -132,12 +153,14 @@ def serve_sagemaker_way(tmp_path: Path) -> Iterator[Any]:
     """Start ``neuron-lmi serve`` (the image's ENTRYPOINT + CMD) on a model dir; kills leftovers."""
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(model_dir: Path) -> tuple[subprocess.Popen[bytes], str, Path, dict[str, str]]:
+    def start(
+        model_dir: Path, extra: Mapping[str, str] | None = None
+    ) -> tuple[subprocess.Popen[bytes], str, Path, dict[str, str]]:
         port = free_port()
-        env = _sagemaker_env(model_dir, port)
+        env = _sagemaker_env(model_dir, port, extra)
         log = tmp_path / f"serve-{port}.log"
         with log.open("wb") as out:
-            proc = subprocess.Popen([*cli_command(), "serve"], env=env, stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(_entry_command(), env=env, stdout=out, stderr=subprocess.STDOUT)
         procs.append(proc)
         return proc, f"http://127.0.0.1:{port}", log, env
 
@@ -160,9 +183,18 @@ def _check_contract(model_dir: Path, start: Any) -> None:
     assert _config_line(config, "batching.n_positions") == ["256", "<-", properties]
     assert f"bind address: 0.0.0.0:{port} (SageMaker mode)" in config
 
+    _check_serving(proc, url, log, str(model_dir))
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(60)
+    assert code == 0, log.read_text()[-3000:]
+
+
+def _check_serving(proc: subprocess.Popen[bytes], url: str, log: Path, model_id: str) -> None:
+    """What SageMaker's health checks and invocations see, on 0.0.0.0 at the assigned port."""
+    port = int(url.rsplit(":", 1)[1])
     started = time.monotonic()
-    _wait_until_ready(proc, f"http://127.0.0.1:{port}", log)
-    print(f"{model_dir.name}: /ping 200 after {time.monotonic() - started:.1f}s")
+    _wait_until_ready(proc, url, log)
+    print(f"{model_id}: /ping 200 after {time.monotonic() - started:.1f}s")
     assert _listening_addresses(port) == {"0.0.0.0"}
 
     with httpx.Client(base_url=url, timeout=INVOKE_TIMEOUT_S) as client:
@@ -171,7 +203,7 @@ def _check_contract(model_dir: Path, start: Any) -> None:
             assert ping.status_code == 200 and ping.json() == {"status": "healthy"}
         info = client.get("/info").json()  # the served engine has the packaged limits
         served = (info["model_id"], info["max_batch_size"], info["max_total_tokens"])
-        assert served == (str(model_dir), 4, 256)
+        assert served == (model_id, 4, 256)
 
         response = client.post("/invocations", json=REQUEST)
         assert response.status_code == 200, response.text
@@ -184,10 +216,6 @@ def _check_contract(model_dir: Path, start: Any) -> None:
         assert final["generated_text"] == result["generated_text"]  # greedy: stream == non-stream
         assert "".join(obj["token"]["text"] for obj in objects) == final["generated_text"]
         assert all(obj.get("generated_text") is None for obj in objects[:-1])
-
-    proc.send_signal(signal.SIGTERM)
-    code = proc.wait(60)
-    assert code == 0, log.read_text()[-3000:]
 
 
 def _files(root: Path) -> list[str]:
@@ -212,8 +240,97 @@ def test_unpacked_model_tar_gz_starts_the_same_way(
     _check_contract(model_dir, serve_sagemaker_way)
 
 
+def _hold_the_drain(port: int) -> socket.socket:
+    """An /invocations request whose body never finishes arriving: the server's drain must wait for
+    it (it is in flight) until the drain's time limit."""
+    held = socket.create_connection(("127.0.0.1", port), timeout=10)
+    held.sendall(
+        b"POST /invocations HTTP/1.1\r\nHost: sagemaker\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 4096\r\n\r\n{"inputs": "The capital'
+    )
+    time.sleep(0.5)  # the request is in the app, waiting for the rest of its body
+    return held
+
+
+def test_environment_only_deployment_starts_the_sagemaker_way(
+    tiny_llama_dir: Path, serve_sagemaker_way, tmp_path: Path
+) -> None:
+    """LMI's env-only deployment: ``HF_MODEL_ID`` and ``OPTION_*``, an empty ``/opt/ml/model``, no
+    serving.properties, no SM_MODEL_DIR, and a grace period longer than SageMaker waits. SIGTERM
+    arrives while a request holds the drain: the process still exits 0 before the SIGKILL."""
+    model_dir = tmp_path / "opt" / "ml" / "model"
+    model_dir.mkdir(parents=True)
+    extra = {
+        "HF_MODEL_ID": str(tiny_llama_dir),
+        "OPTION_MAX_ROLLING_BATCH_SIZE": "4",
+        "OPTION_N_POSITIONS": "256",
+        "SERVING_GRACE_PERIOD_S": "120",
+    }
+    proc, url, log, env = serve_sagemaker_way(model_dir, extra)
+    port = int(env["SAGEMAKER_BIND_TO_PORT"])
+
+    config = _print_config(env)
+    assert "# read" not in config  # no serving.properties anywhere
+    assert _config_line(config, "model.model_id") == [str(tiny_llama_dir), "<-", "env:HF_MODEL_ID"]
+    assert _config_line(config, "batching.max_rolling_batch_size") == [
+        "4", "<-", "env:OPTION_MAX_ROLLING_BATCH_SIZE"
+    ]  # fmt: skip
+    assert f"bind address: 0.0.0.0:{port} (SageMaker mode)" in config
+    assert "on SIGTERM: drain requests 20s, then stop the engine 3s" in config
+
+    _check_serving(proc, url, log, str(tiny_llama_dir))
+    with _hold_the_drain(port):
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(SAGEMAKER_KILL_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {SAGEMAKER_KILL_S:.0f}s after SIGTERM: SageMaker would SIGKILL it")
+        took = time.monotonic() - sent
+    assert code == 0, log.read_text()[-3000:]
+    print(f"SIGTERM to exit with a request holding the drain: {took:.1f}s")
+    assert 15 < took < SAGEMAKER_KILL_S - 2, "the drain should wait for the request, then stop in time"
+
+
+def test_sagemaker_mode_needs_no_sm_model_dir(tmp_path: Path) -> None:
+    """SageMaker hosting sets no SM_MODEL_DIR: ``/opt/ml`` present or SAGEMAKER_BIND_TO_PORT set is
+    SageMaker; SM_MODEL_DIR alone is not; SERVING_SAGEMAKER decides when set."""
+    from neuron_lmi.commands.serve import sagemaker_mode
+    from neuron_lmi.config import load_config
+
+    root = tmp_path / "opt" / "ml"
+    absent = {"NEURON_LMI_SAGEMAKER_ROOT": str(tmp_path / "absent")}
+    cases = [
+        (absent, False),
+        ({**absent, "SM_MODEL_DIR": str(tmp_path)}, False),  # a training variable, no sign of hosting
+        ({**absent, "SAGEMAKER_BIND_TO_PORT": "8081"}, True),
+        ({"NEURON_LMI_SAGEMAKER_ROOT": str(root)}, True),
+        ({"NEURON_LMI_SAGEMAKER_ROOT": str(root), "SERVING_SAGEMAKER": "false"}, False),
+        ({**absent, "SERVING_SAGEMAKER": "true"}, True),
+    ]
+    (root / "model").mkdir(parents=True)
+    for env, expected in cases:
+        assert sagemaker_mode(load_config({"model_id": "smollm2"}, None, env), env) is expected, env
+
+
+def test_drain_ends_before_sagemakers_kill() -> None:
+    """Under SageMaker the HTTP drain and the engine stop (plus its 5 s thread join) fit in 30 s."""
+    from neuron_lmi.commands.serve import stop_timeouts
+    from neuron_lmi.config import load_config
+
+    absent = {"NEURON_LMI_SAGEMAKER_ROOT": "/nonexistent"}
+    for grace in ("600", "30", "25"):
+        resolved = load_config({}, None, {**absent, "SERVING_GRACE_PERIOD_S": grace})
+        drain, engine_stop = stop_timeouts(resolved, sagemaker=True)
+        assert drain + engine_stop + 5 < SAGEMAKER_KILL_S
+        assert stop_timeouts(resolved, sagemaker=False) == (float(grace), float(grace))
+    short = load_config({}, None, {**absent, "SERVING_GRACE_PERIOD_S": "2"})
+    assert stop_timeouts(short, sagemaker=True) == (2.0, 2.0)
+
+
 def test_bind_port_follows_sagemaker_bind_to_port(tmp_path: Path) -> None:
-    """SAGEMAKER_BIND_TO_PORT in SageMaker mode; ``--port`` still wins; ignored outside SageMaker."""
+    """SAGEMAKER_BIND_TO_PORT whenever it is set (as SageMaker's inference toolkit reads it);
+    ``--port`` still wins."""
     from neuron_lmi.commands.serve import bind_port
     from neuron_lmi.config import load_config
 
@@ -225,8 +342,10 @@ def test_bind_port_follows_sagemaker_bind_to_port(tmp_path: Path) -> None:
     no_port_env = {"SM_MODEL_DIR": str(sm_dir)}
     assert bind_port(load_config({}, None, no_port_env), no_port_env) == 8080
     assert bind_port(load_config({"port": 7000}, None, sm_env), sm_env) == 7000
-    local = load_config({"model_id": "smollm2"}, None, {"SM_MODEL_DIR": str(tmp_path / "none")})
-    assert bind_port(local, {"SM_MODEL_DIR": "", "SAGEMAKER_BIND_TO_PORT": "9123"}) == 8080
+    absent = {"NEURON_LMI_SAGEMAKER_ROOT": str(tmp_path / "none")}
+    env_only = {**absent, "SAGEMAKER_BIND_TO_PORT": "9123"}  # no model dir, no serving.properties
+    assert bind_port(load_config({"model_id": "smollm2"}, None, env_only), env_only) == 9123
+    assert bind_port(load_config({"model_id": "smollm2"}, None, absent), absent) == 8080
     bad_env = {**sm_env, "SAGEMAKER_BIND_TO_PORT": "http"}
     with pytest.raises(ValueError, match="SAGEMAKER_BIND_TO_PORT"):
         bind_port(load_config({}, None, bad_env), bad_env)

@@ -8,6 +8,7 @@ on SmolLM2-135M-Instruct.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -195,4 +196,24 @@ async def test_invalid_requests_name_the_field(engine, prompt, params, field):
     with pytest.raises(InvalidRequestError) as info:
         engine.generate(prompt, params)
     assert info.value.field == field
+    assert engine.stats().rows_used == 0
+
+
+async def test_vllm_own_limits_are_refused_by_name(engine):
+    # vLLM 0.32's SamplingParams refuses temperature > 2 (our engine allows up to 100): a 4xx naming it.
+    with pytest.raises(InvalidRequestError) as info:
+        engine.generate("hi", SamplingParams(temperature=2.5))
+    assert info.value.field == "temperature" and "2" in str(info.value)
+    assert engine.stats().rows_used == 0
+
+
+async def test_final_only_output_equals_the_stream(engine):
+    """Non-streaming requests ask vLLM for RequestOutputKind.FINAL_ONLY, as vLLM's server does."""
+    params = SamplingParams(max_new_tokens=12, top_n_tokens=2, ignore_eos=True)
+    streamed = await collect(engine, PROMPTS[1], params)
+    final = await collect(engine, PROMPTS[1], dataclasses.replace(params, stream=False))
+    assert [e.token_id for e in final] == [e.token_id for e in streamed]
+    assert "".join(e.text for e in final) == "".join(e.text for e in streamed)
+    assert [e.index for e in final] == list(range(12)) and final[-1].finish_reason is FinishReason.LENGTH
+    assert [[t.id for t in e.top_tokens] for e in final] == [[t.id for t in e.top_tokens] for e in streamed]
     assert engine.stats().rows_used == 0

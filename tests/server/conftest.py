@@ -102,6 +102,7 @@ def start_server(
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SERVING_", "SM_"))}
     full_env.update(env or {})
     full_env.setdefault("SM_MODEL_DIR", str(tmp / "no-sagemaker-model-dir"))
+    full_env.setdefault("NEURON_LMI_SAGEMAKER_ROOT", str(tmp / "no-sagemaker-root"))
     with log.open("wb") as out:
         proc = subprocess.Popen([*args, *extra_args], stdout=out, stderr=subprocess.STDOUT, env=full_env)
     url = f"http://127.0.0.1:{port}"

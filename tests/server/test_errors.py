@@ -63,6 +63,9 @@ CASES: list[tuple[str, bytes, int, str]] = [
     ("/v1/completions", _raw({"prompt": ""}), 400, "prompt"),
     ("/v1/completions", _raw({"prompt": "x", "max_tokens": 0}), 400, "max_tokens"),
     ("/v1/completions", _raw({"prompt": "x", "temperature": -1}), 400, "temperature"),
+    # OpenAI's range (and vLLM's limit), on every backend.
+    ("/v1/completions", _raw({"prompt": "x", "temperature": 2.5}), 400, "temperature"),
+    ("/v1/chat/completions", _raw({**OK_CHAT, "temperature": 3}), 400, "temperature"),
     ("/v1/completions", _raw({"prompt": "x", "top_p": 0}), 400, "top_p"),
     ("/v1/completions", _raw({"prompt": "x", "n": 0}), 400, "n"),
     ("/v1/completions", _raw({"prompt": "x", "logprobs": 50}), 400, "logprobs"),

@@ -29,7 +29,12 @@ def upload_archive(s3: Any, archive: Path, destination: str) -> str:
 
 def upload_directory(s3: Any, folder: Path, destination: str) -> str:
     """Upload every file under ``folder`` below the prefix; returns the prefix URI (ending in ``/``),
-    ready for ``ModelDataSource`` with ``CompressionType: None``."""
+    ready for ``ModelDataSource`` with ``CompressionType: None``.
+
+    The prefix must be empty: SageMaker copies every object under it into ``/opt/ml/model``, so a
+    file left from an earlier upload (an old shard, a stale ``serving.properties``) would be served
+    beside the new ones. Nothing is uploaded when it is not.
+    """
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such directory")
     bucket, prefix = split_s3_uri(destination)
@@ -38,6 +43,12 @@ def upload_directory(s3: Any, folder: Path, destination: str) -> str:
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     if not files:
         raise ValueError(f"{folder}: nothing to upload")
+    existing = s3.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1).get("Contents", [])
+    if existing:
+        raise ValueError(
+            f"s3://{bucket}/{prefix} is not empty (it holds {existing[0]['Key']!r}): SageMaker would copy "
+            "old objects into /opt/ml/model beside the new ones; upload to a new prefix or empty this one"
+        )
     for path in files:
         s3.upload_file(str(path), bucket, prefix + path.relative_to(folder).as_posix())
     return f"s3://{bucket}/{prefix}"

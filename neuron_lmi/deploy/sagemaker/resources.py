@@ -1,5 +1,5 @@
-"""SageMaker resources for a neuron-lmi container: model, endpoint config, endpoint, inference
-component and target-tracking autoscaling.
+"""SageMaker resources for a neuron-lmi container: model, endpoint config, endpoint and inference
+component (autoscaling: ``scaling.py``; update and delete: ``lifecycle.py``).
 
 Each resource is a frozen spec whose ``request()`` returns the exact keyword arguments of the boto3
 call, so the values can be checked without AWS (botocore's ``Stubber`` validates them against the
@@ -13,10 +13,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from neuron_lmi.deploy.sagemaker.instances import check_accelerators, check_volume_size, instance_family
+
 TIMEOUT_RANGE_S = (60, 3600)  # SageMaker's limits for both start-up timeouts
 VOLUME_RANGE_GB = (1, 512)
-VARIANT_METRIC = "SageMakerVariantInvocationsPerInstance"
-COMPONENT_METRIC = "SageMakerInferenceComponentInvocationsPerCopy"
+SCALE_TO_ZERO_HINT = (
+    "a plain production variant cannot scale to zero instances; only an endpoint hosting inference "
+    "components can (--inference-components with --autoscale 0:MAX:TARGET)"
+)
 
 
 def _check_range(name: str, value: int, bounds: tuple[int, int]) -> None:
@@ -67,12 +71,16 @@ class ModelSpec:
 
 @dataclass(frozen=True, slots=True)
 class EndpointConfigSpec:
-    """One production variant on Inferentia2 by default.
+    """One production variant, on Inferentia2 by default.
 
     The start-up timeouts cover downloading the weights and the container's first passing ``/ping``
-    (which includes loading, and compiling when no compiled artifacts were shipped). With
-    ``inference_components`` the variant names no model; components are placed on it afterwards and
-    the config needs an execution role.
+    (which includes loading, and compiling when no compiled artifacts were shipped). ``volume_size_gb``
+    is left out when None, and refused for families with local NVMe storage (``instances.py``).
+
+    With ``inference_components`` the variant names no model; components are placed on it afterwards,
+    the config needs an execution role, and managed instance scaling keeps between ``min_instances``
+    (default 1; 0 lets the endpoint scale to zero) and ``max_instances`` instances. A plain variant
+    takes neither: its instance count is scaled by Application Auto Scaling, never below one.
     """
 
     name: str
@@ -80,27 +88,49 @@ class EndpointConfigSpec:
     instance_type: str = "ml.inf2.48xlarge"
     instance_count: int = 1
     variant_name: str = "AllTraffic"
-    volume_size_gb: int | None = 256
+    volume_size_gb: int | None = None
     model_data_download_timeout_s: int = 1800
     startup_health_check_timeout_s: int = 1800
     inference_components: bool = False
     role_arn: str | None = None
-    min_instances: int = 1
+    min_instances: int | None = None
     max_instances: int | None = None
 
     def validate(self) -> None:
-        if not self.instance_type.startswith("ml."):
-            raise ValueError(f"instance_type={self.instance_type!r}: SageMaker types start with 'ml.'")
+        instance_family(self.instance_type)
         if self.instance_count < 1:
             raise ValueError(f"instance_count={self.instance_count}: must be >= 1")
         _check_range("model_data_download_timeout_s", self.model_data_download_timeout_s, TIMEOUT_RANGE_S)
         _check_range("startup_health_check_timeout_s", self.startup_health_check_timeout_s, TIMEOUT_RANGE_S)
         if self.volume_size_gb is not None:
             _check_range("volume_size_gb", self.volume_size_gb, VOLUME_RANGE_GB)
-        if self.inference_components and not self.role_arn:
-            raise ValueError("inference_components=True needs role_arn on the endpoint config")
-        if not self.inference_components and not self.model_name:
+            check_volume_size(self.instance_type, self.volume_size_gb)
+        if self.inference_components:
+            if not self.role_arn:
+                raise ValueError("inference_components=True needs role_arn on the endpoint config")
+            low, high = self.instance_range()
+            if not 0 <= low <= high or not low <= self.instance_count <= high:
+                raise ValueError(
+                    f"min_instances={low}, instance_count={self.instance_count}, max_instances={high}: "
+                    "need 0 <= min <= count <= max"
+                )
+            return
+        if not self.model_name:
             raise ValueError("model_name is required unless inference_components=True")
+        if self.min_instances == 0:
+            raise ValueError(f"min_instances=0: {SCALE_TO_ZERO_HINT}")
+        if self.min_instances is not None or self.max_instances is not None:
+            raise ValueError(
+                f"min_instances={self.min_instances}, max_instances={self.max_instances}: managed instance "
+                "scaling applies to endpoints hosting inference components; scale a plain variant with "
+                "--autoscale MIN:MAX:TARGET"
+            )
+
+    def instance_range(self) -> tuple[int, int]:
+        """Managed instance scaling's bounds (inference components only)."""
+        low = 1 if self.min_instances is None else self.min_instances
+        high = self.max_instances if self.max_instances is not None else max(low, self.instance_count)
+        return low, high
 
     def request(self) -> dict[str, Any]:
         self.validate()
@@ -115,11 +145,12 @@ class EndpointConfigSpec:
             variant["VolumeSizeInGB"] = self.volume_size_gb
         request: dict[str, Any] = {"EndpointConfigName": self.name, "ProductionVariants": [variant]}
         if self.inference_components:
+            low, high = self.instance_range()
             variant["RoutingConfig"] = {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"}
             variant["ManagedInstanceScaling"] = {
                 "Status": "ENABLED",
-                "MinInstanceCount": self.min_instances,
-                "MaxInstanceCount": self.max_instances or max(self.min_instances, self.instance_count),
+                "MinInstanceCount": low,
+                "MaxInstanceCount": high,
             }
             request["ExecutionRoleArn"] = self.role_arn
         else:
@@ -130,7 +161,11 @@ class EndpointConfigSpec:
 
 @dataclass(frozen=True, slots=True)
 class InferenceComponentSpec:
-    """Copies of one model on an endpoint, each with its own accelerators, memory and CPU."""
+    """Copies of one model on an endpoint, each with its own accelerators, memory and CPU.
+
+    Given ``instance_type`` and ``tensor_parallel_degree``, ``accelerators`` must be exactly the
+    devices one copy's ranks occupy (``instances.check_accelerators``).
+    """
 
     name: str
     endpoint_name: str
@@ -142,14 +177,25 @@ class InferenceComponentSpec:
     cpu_cores: float | None = None
     model_data_download_timeout_s: int = 1800
     startup_health_check_timeout_s: int = 1800
+    instance_type: str | None = None
+    tensor_parallel_degree: int | None = None
+    logical_nc_config: int | None = None
 
-    def request(self) -> dict[str, Any]:
+    def validate(self) -> None:
         if self.copies < 1 or self.accelerators < 1:
             raise ValueError(f"copies={self.copies}, accelerators={self.accelerators}: both must be >= 1")
         if self.min_memory_mb < 128:
             raise ValueError(f"min_memory_mb={self.min_memory_mb}: SageMaker's minimum is 128")
         _check_range("model_data_download_timeout_s", self.model_data_download_timeout_s, TIMEOUT_RANGE_S)
         _check_range("startup_health_check_timeout_s", self.startup_health_check_timeout_s, TIMEOUT_RANGE_S)
+        if self.instance_type is not None and self.tensor_parallel_degree is not None:
+            check_accelerators(
+                self.instance_type, self.tensor_parallel_degree, self.accelerators, self.logical_nc_config
+            )
+
+    def specification(self) -> dict[str, Any]:
+        """``Specification`` of CreateInferenceComponent and UpdateInferenceComponent."""
+        self.validate()
         resources: dict[str, Any] = {
             "NumberOfAcceleratorDevicesRequired": self.accelerators,
             "MinMemoryRequiredInMb": self.min_memory_mb,
@@ -157,83 +203,28 @@ class InferenceComponentSpec:
         if self.cpu_cores is not None:
             resources["NumberOfCpuCoresRequired"] = self.cpu_cores
         return {
+            "ModelName": self.model_name,
+            "ComputeResourceRequirements": resources,
+            "StartupParameters": {
+                "ModelDataDownloadTimeoutInSeconds": self.model_data_download_timeout_s,
+                "ContainerStartupHealthCheckTimeoutInSeconds": self.startup_health_check_timeout_s,
+            },
+        }
+
+    def request(self) -> dict[str, Any]:
+        return {
             "InferenceComponentName": self.name,
             "EndpointName": self.endpoint_name,
             "VariantName": self.variant_name,
-            "Specification": {
-                "ModelName": self.model_name,
-                "ComputeResourceRequirements": resources,
-                "StartupParameters": {
-                    "ModelDataDownloadTimeoutInSeconds": self.model_data_download_timeout_s,
-                    "ContainerStartupHealthCheckTimeoutInSeconds": self.startup_health_check_timeout_s,
-                },
-            },
+            "Specification": self.specification(),
             "RuntimeConfig": {"CopyCount": self.copies},
         }
 
-
-@dataclass(frozen=True, slots=True)
-class AutoscalingSpec:
-    """Target tracking on invocations: instances of a variant, or copies of an inference component.
-
-    ``target_invocations`` is invocations per minute per instance (or per copy). Scale-out reacts
-    fast; scale-in waits longer because a new Neuron replica takes minutes to load.
-    """
-
-    endpoint_name: str
-    variant_name: str = "AllTraffic"
-    inference_component: str | None = None
-    min_capacity: int = 1
-    max_capacity: int = 4
-    target_invocations: float = 60.0
-    scale_out_cooldown_s: int = 60
-    scale_in_cooldown_s: int = 600
-
-    def validate(self) -> None:
-        if not 0 <= self.min_capacity <= self.max_capacity or self.max_capacity < 1:
-            raise ValueError(
-                f"capacity {self.min_capacity}..{self.max_capacity}: need 0 <= min <= max, max >= 1"
-            )
-        if self.target_invocations <= 0:
-            raise ValueError(f"target_invocations={self.target_invocations}: must be > 0")
-
-    @property
-    def resource_id(self) -> str:
-        if self.inference_component:
-            return f"inference-component/{self.inference_component}"
-        return f"endpoint/{self.endpoint_name}/variant/{self.variant_name}"
-
-    @property
-    def dimension(self) -> str:
-        if self.inference_component:
-            return "sagemaker:inference-component:DesiredCopyCount"
-        return "sagemaker:variant:DesiredInstanceCount"
-
-    def target_request(self) -> dict[str, Any]:
-        self.validate()
+    def update_request(self) -> dict[str, Any]:
         return {
-            "ServiceNamespace": "sagemaker",
-            "ResourceId": self.resource_id,
-            "ScalableDimension": self.dimension,
-            "MinCapacity": self.min_capacity,
-            "MaxCapacity": self.max_capacity,
-        }
-
-    def policy_request(self) -> dict[str, Any]:
-        self.validate()
-        metric = COMPONENT_METRIC if self.inference_component else VARIANT_METRIC
-        return {
-            "PolicyName": f"{self.resource_id.replace('/', '-')}-invocations",
-            "ServiceNamespace": "sagemaker",
-            "ResourceId": self.resource_id,
-            "ScalableDimension": self.dimension,
-            "PolicyType": "TargetTrackingScaling",
-            "TargetTrackingScalingPolicyConfiguration": {
-                "TargetValue": float(self.target_invocations),
-                "PredefinedMetricSpecification": {"PredefinedMetricType": metric},
-                "ScaleOutCooldown": self.scale_out_cooldown_s,
-                "ScaleInCooldown": self.scale_in_cooldown_s,
-            },
+            "InferenceComponentName": self.name,
+            "Specification": self.specification(),
+            "RuntimeConfig": {"CopyCount": self.copies},
         }
 
 
@@ -251,10 +242,7 @@ def create_endpoint(
     """Create the endpoint; with ``wait`` block (bounded) until it is InService."""
     arn = str(sagemaker.create_endpoint(EndpointName=name, EndpointConfigName=config_name)["EndpointArn"])
     if wait:
-        attempts = max(1, max_wait_s // max(poll_s, 1))
-        sagemaker.get_waiter("endpoint_in_service").wait(
-            EndpointName=name, WaiterConfig={"Delay": poll_s, "MaxAttempts": attempts}
-        )
+        wait_for_endpoint(sagemaker, name, max_wait_s, poll_s)
     return arn
 
 
@@ -267,20 +255,27 @@ def create_inference_component(
 ) -> str:
     """Create the component; with ``wait`` poll (bounded) until InService, raising if it fails."""
     arn = str(sagemaker.create_inference_component(**spec.request())["InferenceComponentArn"])
-    deadline = time.monotonic() + max_wait_s
-    while wait:
-        status = sagemaker.describe_inference_component(InferenceComponentName=spec.name)
-        state = status["InferenceComponentStatus"]
-        if state == "InService":
-            break
-        if state == "Failed" or time.monotonic() > deadline:
-            reason = status.get("FailureReason", f"not InService after {max_wait_s} s")
-            raise RuntimeError(f"inference component {spec.name}: {state}: {reason}")
-        time.sleep(poll_s)
+    if wait:
+        wait_for_component(sagemaker, spec.name, max_wait_s, poll_s)
     return arn
 
 
-def enable_autoscaling(autoscaling: Any, spec: AutoscalingSpec) -> str:
-    """Register the scalable target and attach the target-tracking policy; returns the policy ARN."""
-    autoscaling.register_scalable_target(**spec.target_request())
-    return str(autoscaling.put_scaling_policy(**spec.policy_request())["PolicyARN"])
+def wait_for_component(sagemaker: Any, name: str, max_wait_s: int = 3600, poll_s: float = 30) -> None:
+    """Poll until the component is InService; RuntimeError when it fails or time runs out."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        status = sagemaker.describe_inference_component(InferenceComponentName=name)
+        state = status["InferenceComponentStatus"]
+        if state == "InService":
+            return
+        if state == "Failed" or time.monotonic() > deadline:
+            reason = status.get("FailureReason", f"not InService after {max_wait_s} s")
+            raise RuntimeError(f"inference component {name}: {state}: {reason}")
+        time.sleep(poll_s)
+
+
+def wait_for_endpoint(sagemaker: Any, name: str, max_wait_s: int = 3600, poll_s: int = 30) -> None:
+    attempts = max(1, max_wait_s // max(poll_s, 1))
+    sagemaker.get_waiter("endpoint_in_service").wait(
+        EndpointName=name, WaiterConfig={"Delay": poll_s, "MaxAttempts": attempts}
+    )

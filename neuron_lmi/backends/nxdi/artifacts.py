@@ -1,0 +1,153 @@
+"""NxD Inference artifacts through the compile cache: build the application once, compile, load.
+
+    NxdiPlan --new_application--> NeuronXForCausalLM(model_path, XInferenceConfig(NeuronConfig(**kwargs),
+                                                      load_config=load_pretrained_config(model_path)))
+    miss: app.compile(staging)   writes neuron_config.json, model.pt (+ weights/ when sharded)
+          the store renames staging into the entry; the same app then loads it
+    hit:  app.load(entry)
+
+The key (``nxdi_key_inputs``) hashes the architecture config, every NeuronConfig keyword actually
+passed (``NxdiPlan.key_args``: classes included, file locations excluded), the versions of
+neuronx-cc and neuronx-distributed-inference, and the weights' content fingerprint when the sharded
+weights are saved into the entry (otherwise the entry holds graphs only and weights are sharded at
+load). Library imports happen only in ``new_application``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from compile_cache import CacheKeyInputs, CompileCache, Entry, architecture_config, fingerprint_weights
+from neuron_lmi.backends.nxdi.plan import CONFIG_MODULE, HF_ADAPTER_MODULE, LIBRARY, NxdiPlan
+
+log = logging.getLogger(__name__)
+
+COMPILER = "neuronx-cc"
+ARTIFACT_FILES = ("neuron_config.json", "model.pt")
+NEURON_PACKAGES = ("neuronx-distributed-inference", "neuronx-distributed", "torch-neuronx", "neuronx-cc")
+NEURON_PIP_REPOSITORY = "https://pip.repos.neuron.amazonaws.com"
+NOT_INSTALLED = "not-installed"
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version, read from metadata (nothing is imported)."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def is_artifact_dir(path: Path) -> bool:
+    """A folder written by ``compile(dir)``: ``neuron_config.json`` and ``model.pt``."""
+    return path.is_dir() and all((path / name).is_file() for name in ARTIFACT_FILES)
+
+
+def nxdi_key_inputs(
+    plan: NxdiPlan,
+    model_config: Mapping[str, Any],
+    compiler_version: str | None = None,
+    library_version: str | None = None,
+) -> CacheKeyInputs:
+    """The compile-cache key inputs for ``plan``. Versions default to the installed ones; where a
+    package is absent (a dry run off a Neuron host) the version reads ``not-installed``."""
+    compiler_version = compiler_version or installed_version(COMPILER) or NOT_INSTALLED
+    library_version = library_version or installed_version(LIBRARY) or NOT_INSTALLED
+    sharded = bool(plan.neuron_config.get("save_sharded_checkpoint"))
+    return CacheKeyInputs(
+        architecture=architecture_config(dict(model_config)),
+        target="neuron",
+        compiler=COMPILER,
+        compiler_version=compiler_version,
+        n_positions=plan.n_positions,
+        context_buckets=plan.context_buckets,
+        token_buckets=plan.token_buckets,
+        dtype=plan.dtype,
+        batch_size=plan.batch_size,
+        tensor_parallel_degree=plan.tp_degree,
+        weights_fingerprint=fingerprint_weights(plan.model_path, mode="content") if sharded else None,
+        library_args={**plan.key_args(), "library_version": library_version},
+    )
+
+
+def _import(module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise RuntimeError(
+            f"the NxD Inference backend needs the AWS Neuron SDK ({', '.join(NEURON_PACKAGES)}), which "
+            f"could not be imported ({exc}); on an inf2/trn1/trn2 host use the Neuron Deep Learning AMI "
+            f"or install them from AWS's Neuron pip repository: pip install --extra-index-url "
+            f"{NEURON_PIP_REPOSITORY} {' '.join(NEURON_PACKAGES)}"
+        ) from exc
+
+
+def new_application(plan: NxdiPlan, quantized_dir: Path | None = None) -> Any:
+    """Build the application object (no compile, no load). ``quantized_dir`` replaces the placeholder
+    ``quantized_checkpoints_path`` when the plan quantizes."""
+    config_module = _import(CONFIG_MODULE)
+    app_module = _import(plan.application.module)
+    load_pretrained_config = _import(HF_ADAPTER_MODULE).load_pretrained_config
+    kwargs = plan.kwargs()
+    if kwargs.get("quantized"):
+        kwargs["quantized_checkpoints_path"] = str(quantized_dir or Path(plan.model_path) / "quantized")
+    sampling = kwargs.get("on_device_sampling_config")
+    if isinstance(sampling, dict):
+        kwargs["on_device_sampling_config"] = config_module.OnDeviceSamplingConfig(**sampling)
+    neuron_config = getattr(config_module, plan.application.neuron_config_cls)(**kwargs)
+    inference_config = getattr(app_module, plan.application.inference_config)(
+        neuron_config, load_config=load_pretrained_config(plan.model_path)
+    )
+    return getattr(app_module, plan.application.application)(plan.model_path, inference_config)
+
+
+def compile_entry(
+    plan: NxdiPlan,
+    model_config: Mapping[str, Any],
+    cache: CompileCache,
+    no_compile: bool = False,
+    compiler_version: str | None = None,
+) -> tuple[Entry, Any | None]:
+    """The cache entry for ``plan``, compiled into it on a miss; returns the entry and the application
+    built to compile it (None on a hit), so a caller that loads reuses it instead of building another."""
+    inputs = nxdi_key_inputs(plan, model_config, compiler_version)
+    built: dict[str, Any] = {}
+
+    def compile_fn(out: Path) -> None:
+        app = new_application(plan, quantized_dir=out / "quantized")
+        if plan.neuron_config.get("quantized"):
+            type(app).save_quantized_state_dict(plan.model_path, app.config)
+        app.compile(str(out))
+        built["app"] = app
+
+    entry = cache.get_or_compile(inputs, compile_fn, no_compile=no_compile)
+    log.info(
+        "NxD Inference artifacts: compile cache entry %s (%s, %s)",
+        entry.key,
+        entry.path,
+        "compiled now" if built else "cache hit",
+    )
+    return entry, built.get("app")
+
+
+def load_or_compile(
+    plan: NxdiPlan,
+    model_config: Mapping[str, Any],
+    cache: CompileCache,
+    no_compile: bool = False,
+    compiler_version: str | None = None,
+) -> Any:
+    """The loaded application for ``plan``: the cache entry when it exists, else compiled into it once.
+
+    On a miss the application compiled in the staging folder is the one loaded from the final entry:
+    the model is built once per start-up, never twice.
+    """
+    entry, app = compile_entry(plan, model_config, cache, no_compile, compiler_version)
+    if app is None:
+        app = new_application(plan, quantized_dir=entry.path / "quantized")
+    app.load(str(entry.path))
+    return app

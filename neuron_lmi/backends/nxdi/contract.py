@@ -1,0 +1,148 @@
+"""An in-repo stand-in for an NxD Inference causal-LM application, on the CPU reference model.
+
+``NxdiContractModel(input_ids=…, attention_mask=…, position_ids=…, seq_ids=…)`` behaves as
+``NeuronBaseForCausalLM.forward`` does with ``is_continuous_batching=True`` and no on-device sampling
+(neuronx-distributed-inference 0.9: ``model_base.py`` forward/_is_prefill, ``model_wrapper.py``
+``_forward_with_pad``/``_get_seq_bucket``, ``kv_cache_manager.py`` update), so ``NxdiRunner`` is driven
+here against the contract it drives on a device:
+
+* context encoding when ``position_ids.min() == 0``: prompts run one at a time (``ctx_batch_size=1``);
+  each is padded right to the smallest context bucket longer than it (or the largest, when it fills
+  it; longer is an error, as without ``allow_input_truncation``), its whole bucket is written into
+  cache row ``seq_ids[j]`` and the logits of its last real token come back;
+* token generation otherwise: a partial batch is completed with copies of its *first* line for the
+  missing seq_ids, sorted by seq_id, and mapped back; a full batch is run as given; either way line
+  *i* of what runs writes cache row *i* at ``position_ids[i]`` — so a full batch out of seq_id order
+  corrupts rows, exactly as on the device;
+* returns an object whose ``logits`` is float32 ``[n, 1, vocab]``.
+
+Anything the library would reject (a position past ``seq_len``, a seq_id out of range, a mask that is
+not right padding) raises ``ValueError`` here. ``calls`` records each call's kind and shape.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from compile_cache.key import token_generation_buckets
+from neuron_lmi.backends.nxdi.plan import context_encoding_buckets
+from neuron_lmi.models.llama import LlamaForCausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class CausalLMOutput:
+    """The part of ``CausalLMOutputWithPast`` the runner reads."""
+
+    logits: torch.Tensor
+
+
+class NxdiContractModel:
+    """NxD Inference's continuous-batching forward over ``LlamaForCausalLM`` (or a registered subclass).
+
+    Invariants: the cache has exactly ``batch_size`` rows, all permanently allocated (the device has no
+    free list) and written only by calls.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        batch_size: int,
+        seq_len: int,
+        context_length_estimate: Sequence[int] | None = None,
+    ) -> None:
+        if seq_len > model.n_positions:
+            raise ValueError(f"seq_len={seq_len} exceeds the model's rotary table ({model.n_positions})")
+        self.model = model
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        estimate = tuple(context_length_estimate) if context_length_estimate else None
+        self.context_buckets = list(context_encoding_buckets(seq_len, estimate))
+        self.token_buckets = list(token_generation_buckets(seq_len, 128))
+        self.cache = model.make_cache(batch_size, seq_len)
+        for _ in range(batch_size):
+            self.cache.rows.allocate()
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def __call__(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and position_ids must both be [batch, tokens]; got {tuple(input_ids.shape)} "
+                f"and {tuple(position_ids.shape)}"
+            )
+        n = input_ids.shape[0]
+        seq = torch.arange(n) if seq_ids is None else seq_ids.long()
+        if seq.dim() != 1 or len(seq) != n:
+            raise ValueError(f"seq_ids must be [{n}], got {tuple(seq.shape)}")
+        if len(set(seq.tolist())) != n or int(seq.min()) < 0 or int(seq.max()) >= self.batch_size:
+            raise ValueError(f"seq_ids must be distinct rows in [0, {self.batch_size}), got {seq.tolist()}")
+        if int(position_ids.max()) >= self.seq_len:
+            raise ValueError(f"position {int(position_ids.max())} is past seq_len={self.seq_len}")
+        if int(position_ids.min()) == 0:
+            self.calls.append(("context", tuple(input_ids.shape)))
+            return CausalLMOutput(self._context(input_ids, attention_mask, position_ids, seq))
+        if input_ids.shape[1] != 1:
+            raise ValueError("several tokens at positions > 0 is speculation/chunked prefill: not modelled")
+        self.calls.append(("token", tuple(input_ids.shape)))
+        return CausalLMOutput(self._token(input_ids, attention_mask, position_ids, seq))
+
+    def _context(
+        self, input_ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, seq: torch.Tensor
+    ) -> torch.Tensor:
+        n, t = input_ids.shape
+        out = torch.empty(n, 1, self.model.args.vocab_size)
+        for j in range(n):  # ctx_batch_size=1: one prompt at a time
+            length = int(mask[j].sum()) if mask is not None else t
+            if mask is not None and not torch.equal(mask[j, :length], torch.ones(length, dtype=mask.dtype)):
+                raise ValueError(f"attention_mask row {j} is not right padding: {mask[j].tolist()}")
+            if not torch.equal(positions[j, :length], torch.arange(length)):
+                raise ValueError(f"position_ids row {j} must start 0..{length - 1}")
+            bucket = self._context_bucket(length)
+            tokens = torch.zeros(1, bucket, dtype=torch.long)
+            tokens[0, :length] = input_ids[j, :length]
+            logits, keys, values = self.model.prefill(tokens, [length])
+            self.cache.insert(int(seq[j]), keys[:, 0], values[:, 0])  # the whole bucket, padding included
+            out[j, 0] = logits[0].float()
+        return out
+
+    def _context_bucket(self, length: int) -> int:
+        """``_get_seq_bucket(strategy="first_fit")``: smallest bucket > length, or the largest if equal."""
+        i = bisect.bisect_right(self.context_buckets, length)
+        if i < len(self.context_buckets):
+            return self.context_buckets[i]
+        if length == self.context_buckets[-1]:
+            return length
+        raise ValueError(f"Input len {length} exceeds largest bucket ({self.context_buckets[-1]})")
+
+    def _token(
+        self, input_ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, seq: torch.Tensor
+    ) -> torch.Tensor:
+        n = input_ids.shape[0]
+        if mask is not None:
+            expected = (torch.arange(mask.shape[1])[None, :] < positions).to(mask.dtype)
+            if not torch.equal(mask, expected):
+                raise ValueError("token-generation attention_mask must be ones below each row's position")
+        ids, pos = input_ids[:, 0].long(), positions[:, 0].long()
+        if n < self.batch_size:  # _forward_with_pad: complete with the first line, sort by seq_id
+            missing = [r for r in range(self.batch_size) if r not in set(seq.tolist())]
+            padded_seq = torch.tensor(seq.tolist() + missing)
+            ids = torch.cat([ids, ids[:1].expand(len(missing))])
+            pos = torch.cat([pos, pos[:1].expand(len(missing))])
+            _, order = torch.sort(padded_seq)
+            ids, pos = ids[order], pos[order]
+        attn_len = self.token_buckets[bisect.bisect_left(self.token_buckets, int(pos.max()) + 1)]
+        # Line i writes cache row i (kv_cache_manager under continuous batching token generation).
+        logits = self.model.decode(
+            ids, torch.arange(self.batch_size), pos, self.cache.k, self.cache.v, attn_len
+        )
+        return logits.float()[seq][:, None, :]

@@ -1,0 +1,224 @@
+"""The NxD Inference runner: a ``ModelRunner`` over a causal-LM application's continuous-batching forward.
+
+The contract it drives (aws-neuron/neuronx-distributed-inference 0.9, ``models/model_base.py``
+``NeuronBaseForCausalLM.forward``, ``models/model_wrapper.py`` ``_forward_with_pad``,
+``modules/kvcache/kv_cache_manager.py``)::
+
+    out = app(input_ids=…, attention_mask=…, position_ids=…, seq_ids=…)
+      context encoding   position_ids.min() == 0: one prompt per call (ctx_batch_size=1), ids [1, L],
+                         attention_mask ones [1, L], position_ids 0..L-1, seq_ids [row]; the library pads
+                         right up to the smallest bucket longer than L and writes KV into row seq_ids[0]
+      token generation   ids/position_ids [n, 1], attention_mask [n, max(pos)] (ones below each row's
+                         position); a partial batch is completed with copies of its FIRST row for the
+                         missing seq_ids, sorted, run, and mapped back; a FULL batch is run unchanged and
+                         row i writes cache row i, so rows must go in seq_id order
+      out.logits         float32 [n, 1, vocab] at the last real token (no on-device sampling); with
+                         on-device sampling ``logits`` is None and ``tokens``/``hidden_states`` hold ids
+
+Consequences handled here: rows are always sent sorted by seq_id; a row in use but not stepping
+rides along at its next (unwritten) position, so the library's padding never lands on a filled
+position of a live row (a partial batch pads with the first row's position, which a longer live row
+may already hold); a row of length 0 never rides along, because position 0 would turn the call into a
+context encoding.  There is no free on the device: ``RowTable`` frees a row and its next context
+encoding overwrites it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from cache_api import RowTable
+
+if TYPE_CHECKING:
+    from compile_cache import CompileCache
+    from neuron_lmi.backends.nxdi.plan import NxdiPlan
+    from neuron_lmi.config.options import ServingConfig
+
+log = logging.getLogger(__name__)
+
+PAD_TOKEN_ID = 0
+
+
+class CausalLMApplication(Protocol):
+    """What the runner needs of ``NeuronLlamaForCausalLM`` & co. (or ``NxdiContractModel``)."""
+
+    def __call__(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+    ) -> Any: ...
+
+
+class NxdiRunner:
+    """``ModelRunner`` over a compiled NxD Inference application of ``n_rows`` x ``n_positions``.
+
+    Invariants: ``rows`` is the only record of which device rows hold what; every token-generation call
+    lists seq_ids in ascending order; logits come back fp32 ``[len(rows), vocab_size]`` in the order
+    asked.  With ``on_device_sampling`` the device returns only its (greedy) token, which becomes a
+    one-hot logits row: the host sampler then takes that token, and log-probabilities are not available.
+    """
+
+    def __init__(
+        self,
+        model: CausalLMApplication,
+        n_rows: int,
+        n_positions: int,
+        vocab_size: int,
+        on_device_sampling: bool = False,
+    ) -> None:
+        self.model = model
+        self.rows = RowTable(n_rows, n_positions)
+        self.n_positions = n_positions
+        self.vocab_size = vocab_size
+        self.on_device_sampling = on_device_sampling
+
+    def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        if len(rows) != len(prompts):
+            raise ValueError("prefill: rows and prompts differ in length")
+        for row, prompt in zip(rows, prompts, strict=True):
+            self.rows.check_in_use(row)
+            if not prompt:
+                raise ValueError(f"prefill: prompt for row {row} is empty")
+            if len(prompt) > self.n_positions:
+                raise ValueError(
+                    f"prefill: prompt of {len(prompt)} tokens exceeds n_positions={self.n_positions}"
+                )
+        logits = torch.empty(len(rows), self.vocab_size)
+        for i, (row, prompt) in enumerate(zip(rows, prompts, strict=True)):
+            logits[i] = self._context(row, list(prompt))[0]
+        return logits
+
+    def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        if len(rows) != len(tokens):
+            raise ValueError("decode: rows and tokens differ in length")
+        return self._token_step(list(rows), list(tokens))
+
+    def _context(self, row: int, prompt: list[int]) -> torch.Tensor:
+        length = len(prompt)
+        out = self.model(
+            input_ids=torch.tensor([prompt], dtype=torch.long),
+            attention_mask=torch.ones(1, length, dtype=torch.long),
+            position_ids=torch.arange(length, dtype=torch.long)[None, :],
+            seq_ids=torch.tensor([row], dtype=torch.long),
+        )
+        self.rows.set_length(row, length)
+        return self._logits(out, 1)
+
+    def _token_step(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
+        positions = self.rows.reserve_next(rows)
+        asked = set(rows)
+        passengers = [
+            r for r in self.rows.in_use() if r not in asked and 0 < self.rows.length(r) < self.n_positions
+        ]
+        seq_ids = rows + passengers
+        all_tokens = tokens + [PAD_TOKEN_ID] * len(passengers)
+        all_positions = positions + [self.rows.length(r) for r in passengers]
+        order = sorted(range(len(seq_ids)), key=seq_ids.__getitem__)
+        position_ids = torch.tensor([all_positions[i] for i in order], dtype=torch.long)[:, None]
+        width = int(position_ids.max())
+        attention_mask = (torch.arange(width)[None, :] < position_ids).long()
+        out = self.model(
+            input_ids=torch.tensor([all_tokens[i] for i in order], dtype=torch.long)[:, None],
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            seq_ids=torch.tensor([seq_ids[i] for i in order], dtype=torch.long),
+        )
+        logits = self._logits(out, len(seq_ids))
+        unsorted = torch.empty_like(logits)
+        unsorted[torch.tensor(order)] = logits
+        return unsorted[: len(rows)]
+
+    def _logits(self, out: Any, n: int) -> torch.Tensor:
+        logits = getattr(out, "logits", out)
+        if logits is None:
+            return self._one_hot(out, n)
+        if logits.dim() == 3:
+            logits = logits[:, -1, :]
+        if logits.dim() != 2 or logits.shape[0] != n or logits.shape[1] < self.vocab_size:
+            raise RuntimeError(
+                f"model returned logits {tuple(logits.shape)}, expected [{n}, 1, {self.vocab_size}]"
+            )
+        return logits[:, : self.vocab_size].float()
+
+    def _one_hot(self, out: Any, n: int) -> torch.Tensor:
+        tokens = getattr(out, "tokens", None)
+        if tokens is None:
+            tokens = getattr(out, "hidden_states", None)
+        if tokens is None:
+            raise RuntimeError("model returned neither logits nor tokens")
+        ids = torch.as_tensor(tokens).reshape(-1)[:n].long()
+        logits = torch.full((n, self.vocab_size), float("-inf"))
+        logits[torch.arange(n), ids] = 0.0
+        return logits
+
+
+# -- start-up: configuration -> plan -> artifacts -> runner -----------------------------------------
+
+
+def read_model_config(model_path: str) -> dict[str, Any]:
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"the NxD Inference backend needs a Hugging Face checkpoint directory; no {path}")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def build_nxdi_runner(
+    config: ServingConfig,
+    model_path: str,
+    cache: CompileCache | None,
+    tp_degree: int | None = None,
+    model: CausalLMApplication | None = None,
+    compiler_version: str | None = None,
+) -> NxdiRunner:
+    """Map the configuration, load (or compile once, then load) the application, wrap it in a runner.
+
+    ``model`` replaces the application (tests pass an ``NxdiContractModel``). Without the Neuron SDK the
+    load raises ``RuntimeError`` naming the packages and AWS's pip repository.
+    """
+    from neuron_lmi.backends.nxdi.plan import plan_nxdi
+
+    model_config = read_model_config(model_path)
+    plan = plan_nxdi(config, model_config, model_path, tp_degree)
+    for key, reason in plan.ignored.items():
+        log.warning("NxD Inference backend ignores %s: %s", key, reason)
+    if model is None:
+        model = load_application(
+            plan, model_config, cache, config.neuron.compiled_graph_path, compiler_version
+        )
+    return runner_for(model, plan, int(model_config["vocab_size"]))
+
+
+def runner_for(model: CausalLMApplication, plan: NxdiPlan, vocab_size: int) -> NxdiRunner:
+    return NxdiRunner(model, plan.batch_size, plan.n_positions, vocab_size, plan.on_device_sampling)
+
+
+def load_application(
+    plan: NxdiPlan,
+    model_config: dict[str, Any],
+    cache: CompileCache | None,
+    compiled_graph_path: str | None,
+    compiler_version: str | None = None,
+) -> Any:
+    """An artifact directory given by the user loads as it is; otherwise the compile cache entry for
+    the plan, compiled into it on a miss. Either way the application is built exactly once."""
+    from neuron_lmi.backends.nxdi.artifacts import is_artifact_dir, load_or_compile, new_application
+
+    if compiled_graph_path and is_artifact_dir(Path(compiled_graph_path)):
+        log.info("NxD Inference artifacts: %s (given, not cached)", compiled_graph_path)
+        app = new_application(plan)
+        app.load(str(compiled_graph_path))
+        return app
+    if cache is None:
+        from compile_cache import CompileCache
+
+        cache = CompileCache()
+    return load_or_compile(plan, model_config, cache, compiler_version=compiler_version)

@@ -1,0 +1,151 @@
+"""Grammar-constrained decoding with llguidance: compile once per spec, mask per step, advance per token.
+
+    GrammarSpec (types.py) --GrammarCompiler.state(spec)--> GrammarState (a copy of a cached matcher)
+    every step:   allowed_tokens(states, vocab)  -> bool [G, vocab], one batched llguidance call
+    every token:  state.accept(token)
+
+A matcher that finished (or failed) allows only EOS, so a constrained request ends right after its
+output is complete. JSON is generated compactly (no free whitespace between tokens): a model cannot
+spin on spaces until ``max_tokens``, and every schema-valid value stays reachable.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import torch
+
+from neuron_lmi.engine.types import GrammarKind, GrammarSpec, InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+# llguidance's JSON compiler options: no optional whitespace, "," and ":" separators.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+ANY_OBJECT = '{"type":"object"}'
+
+
+def _grammar_text(spec: GrammarSpec) -> str:
+    try:
+        if spec.kind is GrammarKind.JSON_SCHEMA:
+            return llguidance.LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_OPTIONS)
+        if spec.kind is GrammarKind.JSON_OBJECT:
+            return llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_OPTIONS)
+        if spec.kind is GrammarKind.REGEX:
+            return llguidance.LLMatcher.grammar_from_regex(spec.value)
+        return llguidance.grammar_from("grammar", spec.value)  # GBNF or Lark
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"invalid {spec.kind.value}: {exc}", "grammar") from None
+
+
+@functools.lru_cache(maxsize=256)
+def check_grammar(spec: GrammarSpec) -> str:
+    """llguidance's grammar text for ``spec``; ``InvalidRequestError`` (field ``grammar``) with the
+    grammar engine's reason when it cannot be compiled. Needs no tokenizer, so the HTTP edge can
+    refuse a bad schema before anything is queued."""
+    text = _grammar_text(spec)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, None)
+    if is_error:
+        reason = messages[0].strip() if messages else "unknown error"
+        raise InvalidRequestError(f"the {spec.kind.value} cannot be compiled: {reason}", "grammar")
+    return text
+
+
+class GrammarState:
+    """One request's position in its grammar. Invariant: advanced only by ``accept``, once per
+    generated token, in order; once ``done`` it allows only EOS."""
+
+    __slots__ = ("executor", "matcher", "n_vocab")
+
+    def __init__(self, matcher: Any, executor: Any, n_vocab: int) -> None:
+        self.matcher = matcher
+        self.executor = executor
+        self.n_vocab = n_vocab  # the grammar's vocabulary (>= the model's logits width)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.matcher.is_stopped())
+
+    def accept(self, token: int) -> bool:
+        """Advance past ``token``; False if the grammar refused it (the state then allows only EOS)."""
+        if self.matcher.is_stopped():
+            return True
+        ok = bool(self.matcher.consume_token(int(token)))
+        if not ok:
+            log.warning("grammar refused token %d: %s", token, self.matcher.get_error()[:500])
+        return ok
+
+
+class GrammarCompiler:
+    """Compiles ``GrammarSpec``s against one tokenizer and caches the results (LRU, by spec).
+
+    Invariant: a cached matcher is never advanced; each request gets its own ``deep_copy``.
+    The tokenizer adapter (about a second to build) is made on the first constrained request.
+    """
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], max_cached: int = 256
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(int(t) for t in eos_token_ids)
+        self.max_cached = max_cached
+        self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self._ll_tokenizer: Any = None
+        self._executor: Any = None
+        self.compiled = 0  # cache misses, for tests and metrics
+
+    def _tokenizer(self) -> Any:
+        if self._ll_tokenizer is None:
+            import llguidance.hf
+
+            n_vocab = max(self.vocab_size, len(self.tokenizer))
+            eos = self.eos_token_ids or None
+            try:
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self.tokenizer, n_vocab=n_vocab, eos_token=eos
+                )
+            except ValueError as exc:  # a slow (Python) tokenizer
+                raise InvalidRequestError(f"structured output is unavailable: {exc}", "grammar") from None
+            self._executor = llguidance.LLExecutor(num_threads=2)
+        return self._ll_tokenizer
+
+    def state(self, spec: GrammarSpec) -> GrammarState:
+        """A fresh state at the start of ``spec``'s grammar; refuses a grammar that cannot compile."""
+        template = self._cache.get(spec)
+        if template is None:
+            template = llguidance.LLMatcher(self._tokenizer(), check_grammar(spec), log_level=0)
+            if template.is_error():
+                raise InvalidRequestError(
+                    f"the {spec.kind.value} cannot be compiled: {template.get_error()}", "grammar"
+                )
+            self.compiled += 1
+            self._cache[spec] = template
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(spec)
+        return GrammarState(template.deep_copy(), self._executor, self._ll_tokenizer.vocab_size)
+
+
+def allowed_tokens(states: Sequence[GrammarState], vocab_size: int) -> torch.Tensor:
+    """Which tokens each state allows next, as a bool tensor ``[len(states), vocab_size]``.
+
+    llguidance fills a packed bitmask (32 tokens per int32) for all states in one call; it is
+    unpacked with tensor ops. Ids past the grammar's vocabulary are never allowed.
+    """
+    n_words = (states[0].n_vocab + 31) // 32
+    bitmask = torch.zeros(len(states), n_words, dtype=torch.int32)
+    pairs = [(s.matcher, i) for i, s in enumerate(states)]
+    states[0].executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), n_words * 4, len(states))
+    n_bits = n_words * 32
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(len(states), n_bits).bool()
+    if n_bits >= vocab_size:
+        return bits[:, :vocab_size]
+    return torch.nn.functional.pad(bits, (0, vocab_size - n_bits), value=False)
+

@@ -1,0 +1,167 @@
+"""The NxD Inference runner against NxD Inference's continuous-batching forward contract.
+
+What runs here: ``NxdiRunner`` driving ``NxdiContractModel`` (the library's ``forward(input_ids,
+attention_mask, position_ids, seq_ids)`` semantics on the CPU reference model, padding and seq_id
+handling included) inside the real ``EngineCore``, for Llama, Mistral (sliding window shorter than the
+sequences) and Mixtral. Nothing here runs on a Neuron device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from neuron_lmi.backends.nxdi.contract import NxdiContractModel
+from neuron_lmi.backends.nxdi.runner import NxdiRunner, build_nxdi_runner
+from neuron_lmi.config import load_config
+from neuron_lmi.engine.build import eos_ids_for
+from neuron_lmi.engine.core import EngineCore
+from neuron_lmi.engine.types import SamplingParams
+from neuron_lmi.models import build_model
+from neuron_lmi.models.loader import load_checkpoint, load_tokenizer
+from neuron_lmi.runners.cpu import CpuRunner
+from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
+
+N_ROWS, N_POSITIONS = 4, 64
+# (step the request joins at, prompt length, max_new_tokens): five requests share four rows, a 1-token
+# prompt is a context encoding at position 0, a 20-token prompt is longer than the estimate (16).
+SCHEDULE = [(0, 5, 6), (0, 20, 7), (2, 1, 5), (3, 9, 9), (3, 3, 3), (6, 12, 5)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "mixtral"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    extra: dict[str, Any] = {"sliding_window": 8} if request.param in ("mistral", "mixtral") else {}
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch=request.param, **extra)
+
+
+def load(folder: Path) -> tuple[Any, Any, list[int]]:
+    ckpt = load_checkpoint(folder, dtype=torch.float32)
+    model = build_model(ckpt.config, ckpt.state_dict, n_positions=N_POSITIONS)
+    tokenizer = load_tokenizer(ckpt)
+    return model, tokenizer, eos_ids_for(ckpt.config, tokenizer)
+
+
+def run_engine(core: EngineCore) -> dict[str, list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    outputs: dict[str, list[int]] = {}
+    step = 0
+    while step == 0 or core.has_work() or any(at >= step for at, _, _ in SCHEDULE):
+        for i, (at, length, new) in enumerate(SCHEDULE):
+            if at == step:
+                prompt = torch.randint(3, 49000, (length,), generator=generator).tolist()
+                request = core.make_request(
+                    prompt, SamplingParams(max_new_tokens=new, ignore_eos=True), request_id=f"r{i}"
+                )
+                outputs[request.request_id] = request.output_ids
+                core.add(request)
+        core.step()
+        step += 1
+    return outputs
+
+
+def properties(folder: Path, model_dir: Path) -> Path:
+    path = folder / "serving.properties"
+    path.write_text(
+        f"option.model_id={model_dir}\noption.model_loader=nxdi\noption.max_rolling_batch_size={N_ROWS}\n"
+        f"option.n_positions={N_POSITIONS}\noption.dtype=fp32\noption.tensor_parallel_degree=1\n"
+        "option.context_length_estimate=8,16\n",
+        encoding="utf-8",
+    )
+    return path
+
+
+def test_nxdi_runner_on_the_contract_matches_the_cpu_engine(checkpoint: Path, tmp_path: Path) -> None:
+    model, tokenizer, eos = load(checkpoint)
+    expected = run_engine(EngineCore(CpuRunner(model, N_ROWS, N_POSITIONS), tokenizer, eos))
+
+    contract = NxdiContractModel(model, N_ROWS, N_POSITIONS, context_length_estimate=(8, 16))
+    resolved = load_config(properties_path=properties(tmp_path, checkpoint), env={})
+    runner = build_nxdi_runner(resolved.config, str(checkpoint), cache=None, model=contract)
+    got = run_engine(EngineCore(runner, tokenizer, eos))
+
+    assert got == expected
+    assert all(len(got[f"r{i}"]) == new for i, (_, _, new) in enumerate(SCHEDULE))
+    assert {kind for kind, _ in contract.calls} == {"context", "token"}
+    # One prompt per context call (ctx_batch_size=1), whole prompts: no token-by-token prefill.
+    contexts = [shape for kind, shape in contract.calls if kind == "context"]
+    assert sorted(t for _, t in contexts) == sorted(length for _, length, _ in SCHEDULE)
+    assert all(n == 1 for n, _ in contexts)
+    assert runner.rows.in_use() == []
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    model, _, _ = load(make_tiny_checkpoint(tmp_path_factory.mktemp("llama-unit"), arch="llama"))
+    return model
+
+
+def test_full_batch_out_of_seq_id_order_corrupts_the_contract(llama: Any) -> None:
+    """The contract models the library's trap: a full batch runs unchanged, line i -> cache row i."""
+    contract = NxdiContractModel(llama, 2, N_POSITIONS)
+    for row, prompt in ((0, [5, 6, 7]), (1, [9, 10])):
+        contract(
+            input_ids=torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            position_ids=torch.arange(len(prompt))[None],
+            seq_ids=torch.tensor([row]),
+        )
+    ordered = NxdiRunner(NxdiContractModel(llama, 2, N_POSITIONS), 2, N_POSITIONS, llama.args.vocab_size)
+    cpu = CpuRunner(llama, 2, N_POSITIONS)
+    for runner in (ordered, cpu):
+        a, b = runner.rows.allocate(), runner.rows.allocate()
+        runner.prefill([a, b], [[5, 6, 7], [9, 10]])
+    want = cpu.decode([1, 0], [11, 12])
+    got = ordered.decode([1, 0], [11, 12])  # asked out of order: the runner sorts
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+    unsorted = contract(
+        input_ids=torch.tensor([[11], [12]]),
+        attention_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]),
+        position_ids=torch.tensor([[2], [3]]),
+        seq_ids=torch.tensor([1, 0]),
+    )
+    assert not torch.allclose(unsorted.logits[:, 0], want, atol=1e-3)
+
+
+def test_a_live_row_not_stepping_keeps_its_cache(llama: Any) -> None:
+    """Padding repeats the first line; a longer live row would lose a filled position without riding along."""
+    cpu = CpuRunner(llama, 3, N_POSITIONS)
+    nxdi = NxdiRunner(NxdiContractModel(llama, 3, N_POSITIONS), 3, N_POSITIONS, llama.args.vocab_size)
+    results = []
+    for runner in (cpu, nxdi):
+        a, b = runner.rows.allocate(), runner.rows.allocate()
+        runner.prefill([a, b], [[3, 4], [7, 8, 9, 10, 11, 12]])
+        runner.decode([a], [5])  # b does not step: position 2 of b is filled and must survive
+        results.append(runner.decode([a, b], [6, 13]))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
+
+
+def test_on_device_sampling_tokens_become_one_hot_logits(llama: Any) -> None:
+    class TokensOnly:
+        def __call__(self, **kwargs: torch.Tensor) -> Any:
+            n = kwargs["input_ids"].shape[0]
+            return type("Out", (), {"logits": None, "tokens": torch.arange(n, dtype=torch.int32) + 40})()
+
+    runner = NxdiRunner(TokensOnly(), 2, N_POSITIONS, llama.args.vocab_size, on_device_sampling=True)
+    row = runner.rows.allocate()
+    logits = runner.prefill([row], [[1, 2, 3]])
+    assert int(logits.argmax(-1)[0]) == 40
+    assert torch.isinf(logits).sum() == llama.args.vocab_size - 1
+
+
+def test_wrong_logits_shape_is_an_error(llama: Any) -> None:
+    runner = NxdiRunner(lambda **_: torch.zeros(2, 5), 2, N_POSITIONS, llama.args.vocab_size)
+    row = runner.rows.allocate()
+    with pytest.raises(RuntimeError, match="expected"):
+        runner.prefill([row], [[1, 2]])
