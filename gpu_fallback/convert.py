@@ -23,6 +23,11 @@ EOS_FIXES = {"<|im_start|>": "<|im_end|>"}
 
 
 def default_cache_dir() -> Path:
+    """Converted checkpoints live with the other fetched models (``NEURON_LMI_MODEL_CACHE``, the variable
+    the manifests and the systemd unit set); ``NEURON_LMI_CACHE`` is this module's older name for it."""
+    models = os.environ.get("NEURON_LMI_MODEL_CACHE")
+    if models:
+        return Path(models) / "vllm-models"
     root = os.environ.get("NEURON_LMI_CACHE") or os.path.join(Path.home(), ".cache", "neuron-lmi")
     return Path(root) / "vllm-models"
 

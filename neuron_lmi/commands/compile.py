@@ -5,7 +5,8 @@ environment variables, else defaults (the same resolution as ``serve``), so a la
 the same settings computes the same key and loads the entry instead of compiling:
 
 * ``--target cpu``: AOTInductor packages per context and token-generation bucket (see
-  ``neuron_lmi/compile/cpu_aot.py``); dtype fp32 unless told, like the CPU engine;
+  ``neuron_lmi/compile/cpu_aot.py``); dtype as the CPU engine picks it (bf16 on CPUs with native
+  bf16, else fp32) unless told;
 * ``--target neuron``: NxD Inference's ``compile(dir)`` (``--model-loader nxdi``, the default, see
   ``neuron_lmi/backends/nxdi/``) or transformers-neuronx NEFFs (``--model-loader tnx``, SDK <= 2.25,
   see ``neuron_lmi/compile/neuron.py``).
@@ -62,7 +63,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--context-length-estimate", help="context buckets a,b,c (default half of each token bucket)"
     )
-    p.add_argument("--dtype", help="fp32|bf16|fp16 (cpu default fp32)")
+    p.add_argument("--dtype", help="fp32|bf16|fp16 (cpu default: bf16 with native bf16, else fp32)")
     p.add_argument("--group-query-attention", choices=GQA_STRATEGIES, help="option.group_query_attention")
     where = p.add_mutually_exclusive_group()
     where.add_argument(
@@ -102,7 +103,7 @@ def _cache(args: argparse.Namespace, compiled_graph_path: str | None) -> Any:
 
 def _compile_cpu(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
     from neuron_lmi.compile.cpu_aot import CpuPlan
-    from neuron_lmi.engine.build import DEFAULT_MAX_N_POSITIONS, DTYPES
+    from neuron_lmi.engine.build import DEFAULT_MAX_N_POSITIONS, DTYPES, resolve_cpu_dtype
     from neuron_lmi.models import build_model
     from neuron_lmi.models.loader import load_checkpoint, load_tokenizer, resolve_model_path
     from neuron_lmi.runners.compiled import open_compiled_runner
@@ -110,7 +111,9 @@ def _compile_cpu(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
     cfg = resolved.config
     if cfg.parallel.tensor_parallel_degree not in (1, "max"):
         raise ValueError("--tensor-parallel-degree: the cpu target compiles one rank (use 1)")
-    dtype = args.dtype or ("fp32" if resolved.source_of("dtype").startswith("default") else cfg.model.dtype)
+    dtype = args.dtype or resolve_cpu_dtype(
+        None if resolved.source_of("dtype").startswith("default") else cfg.model.dtype
+    )
     if dtype not in CPU_DTYPES:
         raise ValueError(f"--dtype: the cpu target supports {', '.join(CPU_DTYPES)}, got {dtype!r}")
     path = resolve_model_path(cfg.model.model_id or "smollm2")

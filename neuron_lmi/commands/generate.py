@@ -22,7 +22,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--chat", action="store_true", help="apply the tokenizer's chat template (one user message)"
     )
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16"],
+        help="auto: bf16 on CPUs with native bf16",
+    )
+    p.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantization (option.quantize)")
     p.add_argument("--n-positions", type=int, default=None)
     p.set_defaults(func=run)
 
@@ -45,7 +51,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"neuron-lmi generate: error: {exc}", file=sys.stderr)
         return 2
     n_positions = args.n_positions
-    llm = LLM(args.model, dtype=args.dtype, max_rolling_batch_size=1, n_positions=n_positions)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        quantize=args.quantize,
+        max_rolling_batch_size=1,
+        n_positions=n_positions,
+    )
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template(  # type: ignore[attr-defined]

@@ -52,10 +52,16 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--properties", help="an LMI serving.properties file (or the folder holding one)")
     p.add_argument("--max-rolling-batch-size", type=int, help="KV rows = concurrent requests (default 32)")
     p.add_argument("--n-positions", type=int, help="max tokens per sequence, prompt included")
-    p.add_argument("--dtype", help="fp32, bf16 or fp16 (CPU: fp32 unless told)")
+    p.add_argument("--dtype", help="fp32, bf16 or fp16 (CPU: bf16 where the CPU has native bf16, else fp32)")
+    p.add_argument("--quantize", help="option.quantize: int8|int4 weight-only on CPU; Neuron: its methods")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also NEURON_LMI_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, help="refuse larger request bodies with 413")
     p.add_argument("--grace-period-s", type=float, help="how long SIGTERM waits for in-flight requests")
+    p.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json", "mistral"),
+        help="tool-call format (default: from the chat template); also enables the built-in tool prompt",
+    )
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     p.set_defaults(func=run)
 
@@ -204,11 +210,13 @@ def run(args: argparse.Namespace) -> int:
         api_key=api_key or None,
         max_body_bytes=server_cfg.max_body_bytes,
         served_model_name=engine.model_name,
-        dtype=resolved.config.model.dtype if not _is_default(resolved, "dtype") else "fp32",
+        dtype=getattr(engine, "dtype", None) or resolved.config.model.dtype,
         fail_fast=server_cfg.fail_fast,
         grace_period_s=engine_stop_s,
         sagemaker=sagemaker,
         on_fatal=on_fatal,
+        tool_call_parser=server_cfg.tool_call_parser,
+        enable_auto_tool_choice=server_cfg.enable_auto_tool_choice,
     )
     server = _make_server(create_app(engine, options), host, port, drain_s)
     holder["server"] = server

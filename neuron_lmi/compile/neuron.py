@@ -7,9 +7,10 @@ The library is imported lazily; without it ``build_neuron_config`` raises its ``
 the packages and AWS's pip repository. During the compile ``NEURON_COMPILE_CACHE_URL`` points at the
 store (``<root>/.neuron-compile-cache`` locally, or ``<remote>/.neuron-compile-cache`` for an
 ``s3://`` store), so neuronx-cc's own per-graph cache lives beside our entries. NEFFs are graphs
-only, never weights (the library loads weights at ``to_neuron``), so the key carries a *headers*
-fingerprint of the weights (names, shapes, dtypes) rather than their contents, and every argument
-handed to the library (``library_args``: each ``from_pretrained`` keyword, each ``NeuronConfig``
+only, never weights (the library loads them at ``to_neuron``, and quantizes them then), compiled from
+the architecture config and the arguments alone, so the key carries no weights fingerprint (a dry
+run from a folder holding only ``config.json`` computes the key serve will) but does carry every
+argument handed to the library (``library_args``: each ``from_pretrained`` keyword, each ``NeuronConfig``
 field, the library's version), so a hit is never a graph compiled with other settings. The GQA
 strategy in the key is the one the library runs (see ``MappedNeuronArgs.notes``).
 
@@ -28,7 +29,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from compile_cache import CacheKeyInputs, CompileCache, fingerprint_weights, is_writable_dir
+from compile_cache import CacheKeyInputs, CompileCache, is_writable_dir
 from neuron_lmi.backends.neuron_args import (
     MappedNeuronArgs,
     NeuronCompileSpec,
@@ -113,7 +114,6 @@ def neuron_key_inputs(
         tensor_parallel_degree=spec.tp_degree,
         gqa_strategy=mapped.gqa_strategy,
         compiler_flags=tuple(shlex.split(mapped.env.get("NEURON_CC_FLAGS", ""))),
-        weights_fingerprint=fingerprint_weights(spec.model_path, mode="headers"),
         library_args={**mapped.key_args(), "library": LIBRARY, "library_version": library_version},
     )
 

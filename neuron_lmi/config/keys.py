@@ -99,6 +99,9 @@ KEYS: tuple[KeySpec, ...] = (
     _srv("server", "fail_fast"),
     _srv("server", "grace_period_s"),
     _srv("server", "sagemaker"),
+    # tool calling (LMI's vLLM keys; our server reads them on every backend)
+    _opt("server", "tool_call_parser"),
+    _opt("server", "enable_auto_tool_choice"),
 )
 
 BY_FIELD: dict[str, KeySpec] = {spec.field: spec for spec in KEYS}

@@ -22,6 +22,8 @@ Engine = Literal["Python", "MPI"]
 # CPU), fp8 (NxD Inference on trn2).
 Quantize = Literal["static_int8", "int8", "int4", "fp8"]
 ModelLoader = Literal["nxdi", "tnx", "vllm"]
+# vLLM's names for the tool-call formats neuron_lmi.server.tool_parsers reads.
+ToolCallParser = Literal["hermes", "llama3_json", "mistral"]
 
 # LMI accepts torch-style names too; they all map onto the three amp names transformers-neuronx uses.
 DTYPE_ALIASES = {
@@ -281,6 +283,10 @@ class ServerOptions(_Section):
     fail_fast: bool = False
     grace_period_s: float = Field(default=30.0, ge=0, le=3600)
     sagemaker: bool = False
+    # Tool calling: the output format to parse (vLLM's names; None: read from the chat template). Set
+    # on a model whose chat template has no tool support, it also turns on the built-in tool prompt.
+    tool_call_parser: ToolCallParser | None = None
+    enable_auto_tool_choice: bool = True
 
 
 class ServingConfig(BaseModel):

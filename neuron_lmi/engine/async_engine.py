@@ -1,9 +1,13 @@
 """``AsyncEngine``: the rolling-batch engine on its own thread, behind the ``Engine`` protocol.
 
 The engine thread is the only one that touches the scheduler, the runner and the KV cache. Other
-threads talk to it through two thread-safe queues (new requests, aborts); token events travel back
-to each request's asyncio queue with ``call_soon_threadsafe``. torch releases the GIL inside its
-kernels, so the event loop stays responsive while a step runs.
+threads talk to it through two thread-safe queues (new requests, aborts). The events of one step
+travel back to the requests' mailboxes in one batch (``neuron_lmi.engine.streams.post``: one
+``call_soon_threadsafe`` per step, not per token). torch releases the GIL inside its kernels, so
+the event loop keeps running while a step computes.
+
+This engine shares its process (and GIL) with the HTTP server; ``ProcessEngine`` runs the same
+``EngineCore`` in a process of its own and is what the CPU backend serves with.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from neuron_lmi.engine.build import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.request import Request
 from neuron_lmi.engine.scheduler import JoinPolicy
+from neuron_lmi.engine.step_clock import StepClock, time_runner
+from neuron_lmi.engine.streams import Mailbox, post, read_stream
 from neuron_lmi.engine.types import (
     EngineDeadError,
     EngineOverloadedError,
@@ -35,11 +41,12 @@ IDLE_WAIT_S = 0.05
 
 
 class AsyncEngine:
-    """Implements ``neuron_lmi.engine.protocol.Engine`` over an ``EngineCore``.
+    """Implements ``neuron_lmi.engine.protocol.Engine`` over an ``EngineCore`` on a thread.
 
     Invariants: at most ``max_queue_size`` requests beyond the free rows wait for a row (more are
-    refused with ``EngineOverloadedError``); a stream that is closed before its last event aborts its request,
-    which frees the row at the start of the next step.
+    refused with ``EngineOverloadedError``); a stream that is closed before its last event aborts its
+    request, which frees the row at the start of the next step; every event of a step reaches the
+    event loop in one hop.
     """
 
     backend_name = "cpu"
@@ -50,8 +57,10 @@ class AsyncEngine:
         self.n_positions = core.runner.n_positions
         self.max_batch_size = core.runner.rows.n_rows
         self.max_queue_size = max_queue_size
+        self._clock = StepClock(time_runner(core))
         self._inbox: queue.Queue[Request] = queue.Queue()
         self._aborts: queue.Queue[str] = queue.Queue()
+        self._outbox: list[tuple[Mailbox, TokenEvent | BaseException]] = []  # engine thread only
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -103,10 +112,14 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while self._alive:
+                self._clock.begin()
                 self._drain()
                 if self.core.has_work():
                     self.core.step()
+                    self._flush()
+                    self._clock.end()
                 else:
+                    self._flush()
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
         except BaseException as exc:  # the loop dying must be loud: /ping turns unhealthy
@@ -115,8 +128,15 @@ class AsyncEngine:
             self._alive = False
             for request_id in list(self.core.requests):
                 self.core.abort(request_id)
+            self._flush()
             for callback in self.on_death:
                 callback(exc)
+
+    def _flush(self) -> None:
+        """Hand this iteration's events to the event loop(s) in one hop each."""
+        if self._outbox:
+            batch, self._outbox = self._outbox, []
+            post(batch)
 
     def _drain(self) -> None:
         while True:
@@ -139,12 +159,13 @@ class AsyncEngine:
     ) -> AsyncIterator[TokenEvent]:
         """Validate now (raises ``InvalidRequestError``/``EngineOverloadedError``), stream later."""
         self._check_accepting()
-        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        request = self.core.make_request(
-            prompt, params, request_id, sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
-        )
-        return self._stream(request, events)
+        mailbox = Mailbox(asyncio.get_running_loop())
+
+        def sink(event: TokenEvent) -> None:  # on the engine thread
+            self._outbox.append((mailbox, event))
+
+        request = self.core.make_request(prompt, params, request_id, sink=sink)
+        return self._stream(request, mailbox)
 
     def _check_accepting(self) -> None:
         if not self._alive:
@@ -159,39 +180,19 @@ class AsyncEngine:
                 f"({free_rows} free, max_queue_size={self.max_queue_size})"
             )
 
-    async def _stream(self, request: Request, events: asyncio.Queue[TokenEvent]) -> AsyncIterator[TokenEvent]:
+    async def _stream(self, request: Request, mailbox: Mailbox) -> AsyncIterator[TokenEvent]:
         self._check_accepting()
         with self._lock:
             self._pending += 1
         self._inbox.put(request)
         self._wake.set()
-        finished = False
-        try:
-            while True:
-                event = await self._next_event(events)
-                finished = event.finish_reason is not None
-                yield event
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self._aborts.put(request.request_id)
-                self._wake.set()
 
-    async def _next_event(self, events: asyncio.Queue[TokenEvent]) -> TokenEvent:
-        # asyncio.wait keeps the pending get alive across polls; wait_for(get) can drop an event
-        # when its timeout races the put (Python 3.11).
-        getter = asyncio.ensure_future(events.get())
-        try:
-            while True:
-                done, _ = await asyncio.wait({getter}, timeout=1.0)
-                if done:
-                    return getter.result()
-                if not self._alive:
-                    raise EngineDeadError("the engine loop stopped while the request was running")
-        finally:
-            if not getter.done():
-                getter.cancel()
+        def abandon() -> None:
+            self._aborts.put(request.request_id)
+            self._wake.set()
+
+        async for event in read_stream(mailbox, abandon, lambda: self._alive):
+            yield event
 
     async def abort(self, request_id: str) -> None:
         self._aborts.put(request_id)
@@ -206,7 +207,7 @@ class AsyncEngine:
             waiting=stats.waiting + self._pending,
             running=stats.running,
             alive=stats.alive,
-            extra={"steps": float(self.core.steps)},
+            extra={**stats.extra, **self._clock.snapshot()},
         )
 
 

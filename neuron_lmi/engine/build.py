@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,6 +17,36 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 DEFAULT_MAX_N_POSITIONS = 2048
+# /proc/cpuinfo flags of CPUs with native bf16 matmuls (AVX-512 BF16 dot products, AMX tiles).
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+CPU_QUANTIZE = ("int8", "int4")  # option.quantize values the CPU engine runs (weight-only)
+
+
+def default_cpu_dtype(cpu_flags: Collection[str], capability: str) -> str:
+    """``bf16`` where bf16 matmuls are native -- a BF16 flag and torch dispatching its AVX-512 kernels
+    (``capability`` from ``torch.backends.cpu.get_cpu_capability()``; ``ATEN_CPU_CAPABILITY=avx2``
+    turns them off) -- else ``fp32``."""
+    return "bf16" if capability.upper().startswith("AVX512") and BF16_CPU_FLAGS & set(cpu_flags) else "fp32"
+
+
+def host_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The first ``flags`` line of ``cpuinfo`` (empty where there is none: not Linux, or not x86)."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return frozenset()
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def resolve_cpu_dtype(dtype: str | None) -> str:
+    """``dtype`` as given (``--dtype`` wins), or this host's :func:`default_cpu_dtype` for None/``auto``."""
+    if dtype in (None, "auto"):
+        return default_cpu_dtype(host_cpu_flags(), torch.backends.cpu.get_cpu_capability())
+    return dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +54,7 @@ class CpuEngineOptions:
     """What the CPU engine is built from; LMI names in comments."""
 
     model: str = "smollm2"  # option.model_id
-    dtype: str = "fp32"  # option.dtype
+    dtype: str = "fp32"  # option.dtype; "auto": bf16 on CPUs with native bf16, else fp32
     max_rolling_batch_size: int = 32  # option.max_rolling_batch_size
     n_positions: int | None = None  # option.n_positions (default: min(max_position_embeddings, 2048))
     max_prefill_tokens: int = 4096
@@ -36,11 +68,28 @@ class CpuEngineOptions:
     compiled_graph_path: str | None = None
     no_compile: bool = False
     context_length_estimate: tuple[int, ...] | None = None  # option.context_length_estimate
+    # option.quantize: weight-only int8/int4 (neuron_lmi.models.quantize); a GGUF file's Q4/Q8 codes
+    # are kept as they are instead of being expanded and re-quantized.
+    quantize: str | None = None
+
+    def dtype_name(self) -> str:
+        """``dtype`` with ``auto`` resolved for this host; the name the compile cache keys on."""
+        return resolve_cpu_dtype(self.dtype)
 
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not supported by the CPU engine (use fp32 or bf16)")
-        return DTYPES[self.dtype]
+        dtype = self.dtype_name()
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported by the CPU engine (use fp32, bf16 or auto)")
+        return DTYPES[dtype]
+
+    def validate_quantize(self) -> None:
+        if self.quantize is not None and self.quantize not in CPU_QUANTIZE:
+            raise ValueError(
+                f"quantize {self.quantize!r} is not supported by the CPU engine (use int8 or int4; "
+                "fp8 and static_int8 are Neuron-only)"
+            )
+        if self.quantize is not None and (self.compiled or self.compiled_graph_path):
+            raise ValueError("quantize: the AOT-compiled CPU runner does not take quantized weights yet")
 
 
 def eos_ids_for(config: Any, tokenizer: Any) -> list[int]:
@@ -55,17 +104,55 @@ def build_cpu_engine_core(
     options: CpuEngineOptions, policy: JoinPolicy | None = None
 ) -> tuple[EngineCore, Any]:
     """Load weights and tokenizer, build the model and its runner; returns (core, config)."""
-    from neuron_lmi.models import build_model
-    from neuron_lmi.models.loader import load_checkpoint, load_tokenizer, resolve_model_path
+    from neuron_lmi.models.loader import load_tokenizer, resolve_model_path
     from neuron_lmi.runners.cpu import CpuRunner
 
     if options.max_rolling_batch_size <= 0:
         raise ValueError(f"max_rolling_batch_size must be positive, got {options.max_rolling_batch_size}")
+    options.validate_quantize()
     if options.num_threads:
         torch.set_num_threads(options.num_threads)
-    dtype = options.torch_dtype()
     path = resolve_model_path(options.model)
-    ckpt = load_checkpoint(path, dtype=dtype)
+    ckpt, model, n_positions = _load_model(options, path)
+    tokenizer = load_tokenizer(ckpt)
+    if options.compiled or options.compiled_graph_path:
+        from neuron_lmi.runners.compiled import compiled_runner_for_engine
+
+        runner = compiled_runner_for_engine(
+            model, path, options.max_rolling_batch_size, n_positions, options.dtype_name(),
+            context_length_estimate=options.context_length_estimate,
+            compiled_graph_path=options.compiled_graph_path, no_compile=options.no_compile,
+        )  # fmt: skip
+    else:
+        runner = CpuRunner(model, options.max_rolling_batch_size, n_positions)
+    log.info(
+        "CPU engine: %s (%s), %d rows x %d positions, dtype %s, weights %s, KV cache %.1f MiB",
+        ckpt.source,
+        ckpt.config.architectures[0],
+        options.max_rolling_batch_size,
+        n_positions,
+        options.dtype_name(),
+        options.quantize or "dense",
+        runner.cache.nbytes() / 2**20,
+    )
+    core = EngineCore(
+        runner, tokenizer, eos_ids_for(ckpt.config, tokenizer), options.max_prefill_tokens, policy
+    )
+    return core, ckpt.config
+
+
+def _load_model(options: CpuEngineOptions, path: Path) -> tuple[Any, Any, int]:
+    """Checkpoint -> (checkpoint, model, n_positions): built, then sharded across logical ranks,
+    then quantized (tensor parallelism splits dense weights, so it comes first)."""
+    from neuron_lmi.models import build_model
+    from neuron_lmi.models.loader import load_checkpoint
+    from neuron_lmi.models.quantize import quantize_model
+
+    dtype = options.torch_dtype()
+    # With quantize, a GGUF file's Q4/Q8 codes go into the model as they are (never expanded),
+    # unless tensor parallelism has dense weights to split first.
+    keep = options.quantize is not None and options.tensor_parallel_degree == 1
+    ckpt = load_checkpoint(path, dtype=dtype, keep_quantized=keep)
     max_pos = int(getattr(ckpt.config, "max_position_embeddings", DEFAULT_MAX_N_POSITIONS))
     n_positions = options.n_positions or min(max_pos, DEFAULT_MAX_N_POSITIONS)
     if n_positions <= 1:
@@ -80,27 +167,6 @@ def build_cpu_engine_core(
             options.group_query_attention or "shard-over-heads",
             batch_size=options.max_rolling_batch_size,
         )
-    tokenizer = load_tokenizer(ckpt)
-    if options.compiled or options.compiled_graph_path:
-        from neuron_lmi.runners.compiled import compiled_runner_for_engine
-
-        runner = compiled_runner_for_engine(
-            model, path, options.max_rolling_batch_size, n_positions, options.dtype,
-            context_length_estimate=options.context_length_estimate,
-            compiled_graph_path=options.compiled_graph_path, no_compile=options.no_compile,
-        )  # fmt: skip
-    else:
-        runner = CpuRunner(model, options.max_rolling_batch_size, n_positions)
-    log.info(
-        "CPU engine: %s (%s), %d rows x %d positions, dtype %s, KV cache %.1f MiB",
-        ckpt.source,
-        ckpt.config.architectures[0],
-        options.max_rolling_batch_size,
-        n_positions,
-        options.dtype,
-        runner.cache.nbytes() / 2**20,
-    )
-    core = EngineCore(
-        runner, tokenizer, eos_ids_for(ckpt.config, tokenizer), options.max_prefill_tokens, policy
-    )
-    return core, ckpt.config
+    if options.quantize is not None:
+        quantize_model(model, options.quantize)
+    return ckpt, model, n_positions

@@ -83,6 +83,7 @@ class EngineCore:
         self.scheduler = Scheduler(max_prefill_tokens, policy, prefill, prefix)
         self.requests: dict[str, Request] = {}
         self.steps = 0
+        self._texts: dict[int, str] = {}  # token id -> its text alone (decoded once)
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -263,7 +264,10 @@ class EngineCore:
         return (PromptToken(ids[0], text(ids[0]), None), *rest)
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def _accept(
         self,

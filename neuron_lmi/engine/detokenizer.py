@@ -3,39 +3,131 @@
 Decoding a growing window and emitting only the new suffix keeps byte-level BPE merges and
 SentencePiece's leading-space handling right; a window that ends in U+FFFD is an incomplete
 character and is held until the next token completes it.
+
+``TextStream`` adds stop sequences on top: it is what turns one request's token ids into the text a
+client sees, wherever that runs (the engine thread, or the API process when the engine core runs in
+its own process). A Hugging Face *fast* tokenizer is decoded through its Rust backend directly,
+which is what ``tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)``
+does after several microseconds of Python per call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from neuron_lmi.engine.stops import StopMatcher
+from neuron_lmi.engine.types import FinishReason
 
 # Prompt tokens kept as left context, so the first generated token decodes with its space.
 CONTEXT_TOKENS = 5
 
+Decode = Callable[[list[int]], str]
+
+
+def text_decoder(tokenizer: Any) -> Decode:
+    """``ids -> text`` with special tokens skipped and no clean-up, as fast as the tokenizer allows."""
+    backend = _plain_fast_backend(tokenizer)
+    if backend is not None:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)  # type: ignore[no-any-return]
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # type: ignore[no-any-return]
+
+
+def _plain_fast_backend(tokenizer: Any) -> Any:
+    """The Rust tokenizer behind a fast tokenizer whose ``decode`` is transformers' own (a subclass
+    that overrides it gets its override)."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        return None
+    if cls._decode is not PreTrainedTokenizerFast._decode or cls.decode is not PreTrainedTokenizerBase.decode:
+        return None
+    return getattr(tokenizer, "_tokenizer", None)
+
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
-        self.tokenizer = tokenizer
+    """Text of one sequence's generated tokens, one token at a time.
+
+    Invariants: ``ids[prefix_offset:read_offset]`` is the window whose text was already emitted
+    (left context for the next token); everything after ``read_offset`` is held.
+    """
+
+    __slots__ = ("_decode", "ids", "prefix_offset", "read_offset", "_prefix_text")
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], decode: Decode | None = None) -> None:
+        self._decode = decode or text_decoder(tokenizer)
         self.ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        self._prefix_text: str | None = None  # text of the emitted window, decoded once per window
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    def _prefix(self) -> str:
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        return self._prefix_text
 
     def add(self, token_id: int) -> str:
         """Append a token; return the text it completes (possibly empty)."""
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        prefix = self._prefix()
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self._prefix_text = None
             return full[len(prefix) :]
         return ""
 
     def flush(self) -> str:
         """Whatever is still held at the end (an incomplete character stays replaced)."""
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        prefix = self._prefix()
         full = self._decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
+        self._prefix_text = None
         return full[len(prefix) :] if len(full) > len(prefix) else ""
+
+
+class TextStream:
+    """The printable text of one request: detokenized, with stop sequences held back and cut.
+
+    ``add`` takes each generated token with the finish reason the engine gave it (token-level:
+    EOS or length); it returns the text to print and the finish reason the client sees, which is
+    ``STOP_SEQUENCE`` when a stop sequence matched (the caller then ends the request).
+    """
+
+    __slots__ = ("detokenizer", "stops")
+
+    def __init__(
+        self, tokenizer: Any, prompt_ids: Sequence[int], stops: tuple[str, ...], decode: Decode | None = None
+    ) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, decode)
+        self.stops = StopMatcher(stops)
+
+    def add(self, token_id: int, finish: FinishReason | None) -> tuple[str, FinishReason | None]:
+        if finish is FinishReason.EOS_TOKEN:
+            text = ""  # EOS prints nothing; what was held is flushed below
+        else:
+            text, hit = self.stops.add(self.detokenizer.add(token_id))
+            if hit:
+                return text, FinishReason.STOP_SEQUENCE
+        if finish in (FinishReason.EOS_TOKEN, FinishReason.LENGTH):
+            tail, hit = self.stops.add(self.detokenizer.flush())
+            text += tail if hit else tail + self.stops.flush()
+            finish = FinishReason.STOP_SEQUENCE if hit else finish
+        return text, finish
+
+
+class NoText:
+    """A detokenizer that produces no text: the engine core in its own process leaves text to the
+    API process (``TextStream`` there), so its requests carry this instead."""
+
+    __slots__ = ()
+
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""

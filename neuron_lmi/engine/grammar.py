@@ -11,7 +11,9 @@ spin on spaces until ``max_tokens``, and every schema-valid value stays reachabl
 
 from __future__ import annotations
 
+import copy
 import functools
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -80,6 +82,26 @@ class GrammarState:
         return ok
 
 
+def tokenizer_json(tokenizer: Any) -> str:
+    """A fast tokenizer's ``tokenizer.json`` as llguidance should read it (``llguidance.hf`` does the
+    same, less the fix): a byte-level BPE whose decoder is a Sequence ending in ByteLevel (what
+    transformers' GGUF conversion writes for SmolLM2) gets a plain ByteLevel decoder, or llguidance
+    would read its tokens literally ("Ġ" instead of a space) and its masks would be wrong."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise InvalidRequestError("structured output needs a fast (Rust) tokenizer", "grammar")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    data = json.loads(backend.to_str())
+    decoder = data.get("decoder") or {}
+    steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else []
+    byte_level = [d for d in steps if d.get("type") == "ByteLevel"]
+    if byte_level and (data.get("pre_tokenizer") or {}).get("type") == "ByteLevel":
+        data["decoder"] = byte_level[-1]
+    return json.dumps(data)
+
+
 class GrammarCompiler:
     """Compiles ``GrammarSpec``s against one tokenizer and caches the results (LRU, by spec).
 
@@ -101,16 +123,11 @@ class GrammarCompiler:
 
     def _tokenizer(self) -> Any:
         if self._ll_tokenizer is None:
-            import llguidance.hf
-
             n_vocab = max(self.vocab_size, len(self.tokenizer))
-            eos = self.eos_token_ids or None
-            try:
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self.tokenizer, n_vocab=n_vocab, eos_token=eos
-                )
-            except ValueError as exc:  # a slow (Python) tokenizer
-                raise InvalidRequestError(f"structured output is unavailable: {exc}", "grammar") from None
+            eos = self.eos_token_ids or getattr(self.tokenizer, "eos_token_id", None)
+            self._ll_tokenizer = llguidance.LLTokenizer(
+                tokenizer_json(self.tokenizer), n_vocab=n_vocab, eos_token=eos
+            )
             self._executor = llguidance.LLExecutor(num_threads=2)
         return self._ll_tokenizer
 
@@ -148,4 +165,3 @@ def allowed_tokens(states: Sequence[GrammarState], vocab_size: int) -> torch.Ten
     if n_bits >= vocab_size:
         return bits[:, :vocab_size]
     return torch.nn.functional.pad(bits, (0, vocab_size - n_bits), value=False)
-

@@ -44,7 +44,8 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served until the process restarts."""
 
 
-MAX_STOP_SEQUENCES = 16
+# vLLM sets no limit; OpenAI allows 4. Matching costs a substring search per stop per token.
+MAX_STOP_SEQUENCES = 64
 MAX_TOP_N_TOKENS = 20
 MAX_LOGIT_BIAS = 100.0
 MAX_ADDITIVE_PENALTY = 2.0

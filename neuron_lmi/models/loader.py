@@ -8,7 +8,7 @@ Invariants of every :class:`LoadedCheckpoint` this module returns:
   :func:`expected_shapes`; ``lm_head.weight`` is absent exactly when ``config.tie_word_embeddings``
   (the model reuses ``model.embed_tokens.weight``);
 * floating tensors are contiguous and in the requested dtype; with ``keep_quantized``, a GGUF file's
-  Q4_0/Q4_1/Q8_0 tensors are :class:`~neuron_lmi.models.quant.QuantizedTensor`\ s instead.
+  Q4_0/Q4_1/Q8_0 tensors are ``QuantizedTensor`` objects (``neuron_lmi.models.quant``) instead.
 
 Every rejected checkpoint raises ``FileNotFoundError`` or ``ValueError`` whose message names the file.
 """

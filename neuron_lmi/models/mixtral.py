@@ -41,8 +41,9 @@ def sparse_moe(
     """Mixture of SwiGLU experts over ``h`` [N, hidden].
 
     ``router`` [E, hidden]; ``gate_up`` [E, 2I, hidden] (w1 rows then w3 rows); ``down``
-    [E, hidden, I] (or, quantized, ``E``-long lists of ``QuantizedLinear``). Under tensor parallelism ``I`` is a rank's slice and the result is that
-    rank's partial sum (routing is replicated, so every rank picks the same experts).
+    [E, hidden, I] (quantized: ``E``-long lists of ``QuantizedLinear``). Under tensor parallelism
+    ``I`` is a rank's slice and the result is that rank's partial sum (routing is replicated, so
+    every rank picks the same experts).
     """
     weights, experts = route(h, router, top_k)
     flat = experts.flatten()  # assignment a = token a // k, its (a % k)-th choice

@@ -87,9 +87,8 @@ def cat_rows(parts: Sequence[torch.Tensor | QuantizedTensor]) -> torch.Tensor | 
     if same:
         qs: list[QuantizedTensor] = list(parts)  # type: ignore[arg-type]
         zero = None if first.zero is None else torch.cat([q.zero for q in qs])  # type: ignore[misc]
-        return QuantizedTensor(
-            first.bits, first.group_size, torch.cat([q.codes for q in qs]), torch.cat([q.scale for q in qs]), zero
-        )
+        codes, scale = torch.cat([q.codes for q in qs]), torch.cat([q.scale for q in qs])
+        return QuantizedTensor(first.bits, first.group_size, codes, scale, zero)
     dense = torch.cat([p.dequantize() if isinstance(p, QuantizedTensor) else p.float() for p in parts])
     return quantize_int8(dense)
 
@@ -151,7 +150,7 @@ class Int4Linear(QuantizedLinear):
 
     def __init__(self, q: QuantizedTensor) -> None:
         if q.bits != 4 or q.group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"Int4Linear needs 4-bit codes in groups of {INT4_GROUP_SIZES}, got {q.group_size}")
+            raise ValueError(f"Int4Linear needs 4-bit codes in groups of {INT4_GROUP_SIZES}, got {q}")
         super().__init__(*q.shape)
         self.group_size = q.group_size
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.codes.to(torch.int32), 1)
@@ -184,7 +183,15 @@ def to_linear(q: QuantizedTensor) -> QuantizedLinear | torch.Tensor:
     return q.dequantize()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
+def replace_weight(owner: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` where parameter ``name`` was (nn.Module refuses to assign over a parameter)."""
+    delattr(owner, name)
+    setattr(owner, name, module)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | nn.Module, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x @ weight.T + bias`` for a dense weight or a :class:`QuantizedLinear`; every layer calls this."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)

@@ -26,6 +26,7 @@ from neuron_lmi.models.quant import (
     kernel_fits,
     quantize_int4,
     quantize_int8,
+    replace_weight,
 )
 
 METHODS = ("int8", "int4")
@@ -49,11 +50,11 @@ def _quantize_attr(owner: nn.Module, name: str, method: str) -> None:
     if weight.dim() == 3:  # one matrix per expert
         experts = [quantize_weight(w, method) for w in weight]
         if all(e is not None for e in experts):
-            setattr(owner, name, nn.ModuleList(experts))
+            replace_weight(owner, name, nn.ModuleList(experts))
         return
     quantized = quantize_weight(weight, method)
     if quantized is not None:
-        setattr(owner, name, quantized)
+        replace_weight(owner, name, quantized)
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ from torch import nn
 from neuron_lmi.models.args import ModelArgs
 from neuron_lmi.models.llama import DecoderLayer, LlamaForCausalLM
 from neuron_lmi.models.mixtral import MixtralDecoderLayer
-from neuron_lmi.models.quant import QuantizedTensor, cat_rows, to_linear
+from neuron_lmi.models.quant import QuantizedTensor, cat_rows, replace_weight, to_linear
 
 Tensor = torch.Tensor | QuantizedTensor
 
@@ -39,7 +39,7 @@ def _put(owner: nn.Module, name: str, value: Tensor) -> None:
     if isinstance(value, QuantizedTensor):
         value = to_linear(value)
         if isinstance(value, nn.Module):
-            setattr(owner, name, value)
+            replace_weight(owner, name, value)
             return
     getattr(owner, name).copy_(value)
 

@@ -29,7 +29,13 @@ import logging
 import math
 from dataclasses import dataclass
 
-from neuron_lmi.parallel.tnx_rules import DUMMY, GQAStrategy, layouts, resolve_strategy
+from neuron_lmi.parallel.tnx_rules import (
+    DUMMY,
+    GQAStrategy,
+    continuous_batching_strategy,
+    layouts,
+    resolve_strategy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +158,7 @@ def build_sharding_plan(
     n_positions: int = 1,
     dtype_bytes: int = 2,
     log_fallback: bool = True,
+    continuous_batching: bool = False,
 ) -> ShardingPlan:
     """Plan how ``tp_degree`` ranks share the attention heads and KV cache.
 
@@ -159,16 +166,23 @@ def build_sharding_plan(
     counts are equal).  ``n_layers``, ``n_positions`` and ``dtype_bytes`` only size
     ``RankShard.kv_cache_bytes_per_row`` (defaults give bytes per token per layer at 16 bit).
     A fallback is logged as a warning, as the library warns (``log_fallback=False`` for callers that
-    explore many plans and report ``fallback_reason`` themselves).
+    explore many plans and report ``fallback_reason`` themselves). ``continuous_batching=True`` plans
+    what transformers-neuronx runs under continuous batching: its context decoders are built with
+    batch 1, so shard-over-batch is replaced at any tp > 1 whatever ``batch_size`` is.
     """
     requested = GQAStrategy.parse(strategy)
     _validate_geometry(n_query_heads, n_kv_heads, head_dim, tp_degree, batch_size)
     for name, value in (("n_layers", n_layers), ("n_positions", n_positions), ("dtype_bytes", dtype_bytes)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    effective, reason = resolve_strategy(
-        n_query_heads, n_kv_heads, head_dim, tp_degree, requested, batch_size
-    )
+    if continuous_batching:
+        effective, reason = continuous_batching_strategy(
+            n_query_heads, n_kv_heads, head_dim, tp_degree, requested
+        )
+    else:
+        effective, reason = resolve_strategy(
+            n_query_heads, n_kv_heads, head_dim, tp_degree, requested, batch_size
+        )
     if reason and log_fallback:
         log.warning("GQA %s -> %s: %s", requested or "default", effective, reason)
     row_bytes = 2 * n_layers * n_positions * head_dim * dtype_bytes  # K and V, per cached head

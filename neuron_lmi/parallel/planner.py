@@ -221,6 +221,7 @@ def _plan(
         n_positions=positions,
         dtype_bytes=dtype_bytes,
         log_fallback=False,
+        continuous_batching=True,  # how neuron-lmi always serves: report what the library will run
     )
 
 

@@ -9,7 +9,7 @@ import torch
 
 from cache_api import RowTable
 from neuron_lmi.models.llama import LlamaForCausalLM
-from neuron_lmi.runners.buckets import pack_into_bins, pick_bucket, power_of_two_buckets
+from neuron_lmi.runners.buckets import chunk_buckets, pack_into_bins, pick_bucket, power_of_two_buckets
 
 
 class CpuRunner:
@@ -46,6 +46,7 @@ class CpuRunner:
         if self.context_buckets[-1] < n_positions and not self.supports_extend:
             self.context_buckets.append(n_positions)
         self.token_buckets = power_of_two_buckets(n_positions)
+        self.chunk_buckets = chunk_buckets(self.context_buckets[-1])
 
     @property
     def rows(self) -> RowTable:
@@ -133,7 +134,7 @@ class CpuRunner:
             live = [i for i, c in enumerate(chunks) if len(c) > done]
             by_bucket: dict[int, list[int]] = defaultdict(list)
             for i in live:
-                by_bucket[pick_bucket(self.context_buckets, min(len(chunks[i]) - done, piece))].append(i)
+                by_bucket[pick_bucket(self.chunk_buckets, min(len(chunks[i]) - done, piece))].append(i)
             for bucket, members in by_bucket.items():
                 pieces = [list(chunks[i][done : done + piece]) for i in members]
                 logits[members] = self._extend_bucket([rows[i] for i in members], pieces, bucket)

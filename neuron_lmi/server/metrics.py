@@ -24,6 +24,20 @@ STAT_GAUGES: dict[str, tuple[str, str]] = {
     "neuron_lmi_running_requests": ("requests in the rolling batch", "running"),
     "neuron_lmi_kv_positions_used": ("KV positions holding tokens across all rows", "positions_used"),
 }
+# Gauges read from EngineStats.extra (what an engine measures itself; absent keys are skipped).
+EXTRA_GAUGES: dict[str, tuple[str, str]] = {
+    "neuron_lmi_engine_steps": ("engine steps run since start", "steps"),
+    "neuron_lmi_engine_host_ms_per_step": (
+        "host time per decode step beside the model's forward (scheduling, sampling, events), "
+        "mean over the last 256 decode steps",
+        "host_ms_per_step",
+    ),
+    "neuron_lmi_engine_model_ms_per_step": (
+        "model forward time per decode step, mean over the last 256 decode steps",
+        "model_ms_per_step",
+    ),
+    "neuron_lmi_engine_decode_batch": ("rows decoded per step, mean over the last 256 decode steps", "decode_batch"),
+}
 
 
 class EngineStatsCollector(Collector):
@@ -41,6 +55,9 @@ class EngineStatsCollector(Collector):
         stats = self._engine.stats()
         for name, (doc, attr) in STAT_GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=float(getattr(stats, attr)))
+        for name, (doc, key) in EXTRA_GAUGES.items():
+            if key in stats.extra:
+                yield GaugeMetricFamily(name, doc, value=float(stats.extra[key]))
         yield GaugeMetricFamily(
             "neuron_lmi_engine_alive", "1 while the engine loop runs", value=float(stats.alive)
         )

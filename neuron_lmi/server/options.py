@@ -28,6 +28,10 @@ class AppOptions:
     sagemaker: bool = False
     start_engine: bool = True
     on_fatal: Callable[[str], None] | None = None
+    # Tool calling: a parser name (neuron_lmi.server.tool_parsers) or None to read it from the chat
+    # template; set, it also enables the built-in tool prompt for a template without tool support.
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = True
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0:

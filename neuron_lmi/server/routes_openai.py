@@ -43,10 +43,18 @@ from neuron_lmi.server.schemas_openai import (
     finish_reason,
     to_sampling,
 )
+from neuron_lmi.server.tools import (
+    ToolChoiceStream,
+    plan_tools,
+    render_chat,
+    tool_message,
+    with_tool_grammar,
+)
 
 router = APIRouter(prefix="/v1")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-ChoiceFn = Callable[[int, TokenEvent, bool], dict[str, Any]]
+# A streamed event -> its choice object(s): one chunk each (a tool call adds chunks of its own).
+ChoiceFn = Callable[[int, TokenEvent, bool], dict[str, Any] | list[dict[str, Any]]]
 
 
 def _sse(obj: Any) -> str:
@@ -124,7 +132,9 @@ async def _stream_body(
                 if failure is not None:
                     raise failure
                 generated += int(is_token(event))
-                yield _sse({**head, "choices": [choice(idx, event, idx not in seen)], **extra})
+                out = choice(idx, event, idx not in seen)
+                for c in out if isinstance(out, list) else [out]:
+                    yield _sse({**head, "choices": [c], **extra})
                 seen.add(idx)
     except Exception as exc:
         yield _sse(error_body("openai", from_engine_error(exc, "openai")))
@@ -210,25 +220,6 @@ async def completions(request: Request) -> Response:
     return JSONResponse({**head, "choices": choices, "usage": usage})
 
 
-def _chat_prompt(ctx: ServerContext, req: ChatRequest) -> list[int]:
-    if not req.messages:
-        raise invalid("openai", "messages must not be empty", "messages")
-    tok = ctx.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise invalid(
-            "openai", f"model {ctx.model_name!r} has no chat template; use /v1/completions", "messages"
-        )
-    try:
-        ids = tok.apply_chat_template(
-            [m.as_template_dict() for m in req.messages], add_generation_prompt=True, tokenize=True
-        )
-    except Exception as exc:  # a template may raise on e.g. roles it does not accept
-        raise invalid("openai", f"chat template failed: {exc}", "messages") from None
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
-
-
 def _chat_max_tokens(ctx: ServerContext, req: ChatRequest, prompt_len: int) -> int:
     for value in (req.max_completion_tokens, req.max_tokens):
         if value is not None:
@@ -251,9 +242,11 @@ async def chat_completions(request: Request) -> Response:
     _check_model(ctx, req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("openai", "top_logprobs requires logprobs: true", "top_logprobs")
-    ids = _chat_prompt(ctx, req)
+    plan = plan_tools(ctx.options, ctx.tokenizer, req)
+    ids = render_chat(ctx.tokenizer, ctx.model_name, req, plan)
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     params = to_sampling(req, _chat_max_tokens(ctx, req, len(ids)), top_n, ctx.engine.n_positions)
+    params = with_tool_grammar(params, plan)
     streams = await open_streams(ctx.engine, ctx.metrics, _fan_out([ids], params, req.n), "chatcmpl")
     head = {
         "id": new_request_id("chatcmpl"),
@@ -262,9 +255,13 @@ async def chat_completions(request: Request) -> Response:
         "system_fingerprint": f"neuron-lmi-{ctx.engine.backend_name}",
     }
 
-    def choice(idx: int, e: TokenEvent, first: bool) -> dict[str, Any]:
+    tool_streams = [ToolChoiceStream(plan) for _ in range(req.n)] if plan.parse else None
+
+    def choice(idx: int, e: TokenEvent, first: bool) -> dict[str, Any] | list[dict[str, Any]]:
         lp = {"content": [_chat_logprob(e)] if is_token(e) else []} if req.logprobs else None
         fr = finish_reason(finish_name(e.finish_reason)) if e.finish_reason else None
+        if tool_streams is not None:
+            return tool_streams[idx].chunks(idx, e, lp, fr)
         return {"index": idx, "delta": {"content": e.text}, "logprobs": lp, "finish_reason": fr}
 
     if req.stream:
@@ -282,15 +279,17 @@ async def chat_completions(request: Request) -> Response:
         body = _stream_body(chunk_head, streams, req.n, usage, choice, roles)
         return ReleasingStreamingResponse(body, streams, media_type="text/event-stream", headers=SSE_HEADERS)
     outs = await _collect_all(request, streams)
-    choices = [
-        {
-            "index": idx,
-            "message": {"role": "assistant", "content": out.text},
-            "logprobs": {"content": [_chat_logprob(e) for e in out.tokens]} if req.logprobs else None,
-            "finish_reason": finish_reason(finish_name(out.finish_reason)),
-        }
-        for idx, out in enumerate(outs)
-    ]
+    choices = []
+    for idx, out in enumerate(outs):
+        message, called = tool_message(plan, out.events, out.text)
+        choices.append(
+            {
+                "index": idx,
+                "message": message,
+                "logprobs": {"content": [_chat_logprob(e) for e in out.tokens]} if req.logprobs else None,
+                "finish_reason": "tool_calls" if called else finish_reason(finish_name(out.finish_reason)),
+            }
+        )
     usage = _usage(streams, req.n, sum(o.generated_tokens for o in outs))
     return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": usage})
 

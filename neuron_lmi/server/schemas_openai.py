@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from neuron_lmi.engine.types import InvalidRequestError, SamplingParams
 from neuron_lmi.server.errors import invalid
 from neuron_lmi.server.schemas_grammar import ResponseFormat, parse_logit_bias, response_format_grammar
+from neuron_lmi.server.schemas_tools import ToolCallIn, ToolChoice, ToolDefinition
 
 MAX_N = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -118,6 +119,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(default=None, description="An assistant's earlier calls.")
+    tool_call_id: str | None = Field(default=None, description="The call a tool message answers.")
 
     def as_template_dict(self) -> dict[str, Any]:
         if isinstance(self.content, list):
@@ -133,16 +136,17 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-
-    def unsupported(self) -> dict[str, bool]:
-        return {
-            **super().unsupported(),
-            "tools": bool(self.tools),
-            "tool_choice": self.tool_choice not in (None, "none", "auto"),
-        }
+    tools: list[ToolDefinition] | None = Field(
+        default=None, description="Functions the model may call, rendered by the model's chat template."
+    )
+    tool_choice: ToolChoice | None = Field(
+        default=None,
+        description="none, auto (the default with tools), required (at least one call), or a named "
+        "function; required and named constrain decoding to valid calls.",
+    )
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="false: at most one call per answer (default true)."
+    )
 
 
 # SamplingParams field -> the OpenAI name a client would recognise in an error.

@@ -132,3 +132,71 @@ def test_caches_sharing_a_row_table_allocate_once():
     assert rank0.rows.length(row) == 3
     with pytest.raises(ValueError, match="different shape"):
         KVCache(LAYERS, ROWS + 1, 1, POS, DIM, rows=rows)
+
+
+def test_copy_leaves_the_source_untouched_and_truncates_a_longer_destination():
+    cache = make_cache()
+    src, dst, other = cache.allocate(), cache.allocate(), cache.allocate()
+    keys = torch.randn(LAYERS, KVH, 6, DIM)
+    cache.insert(src, keys, -keys)
+    cache.insert(dst, *kv(7, 9.0))
+    cache.insert(other, *kv(2, 3.0))
+    cache.copy(src, dst, 3)
+    assert cache.rows.lengths([src, dst, other]) == [6, 3, 2]
+    assert torch.equal(cache.row_keys(src)[0], keys) and torch.equal(cache.row_keys(src)[1], -keys)
+    assert torch.equal(cache.row_keys(dst)[0], keys[:, :, :3])
+    assert torch.all(cache.row_keys(other)[0] == 3.0)
+    cache.copy(src, dst, 0)
+    assert cache.rows.length(dst) == 0
+    cache.remove(other)
+    with pytest.raises(CacheError, match="not allocated"):
+        cache.copy(other, dst, 1)
+    with pytest.raises(CacheError, match="not allocated"):
+        cache.copy(src, other, 1)
+
+
+def test_a_removed_row_can_retain_its_prefix_until_claimed():
+    cache = make_cache()
+    a, b, c = cache.allocate(), cache.allocate(), cache.allocate()
+    keys = torch.randn(LAYERS, KVH, 5, DIM)
+    cache.insert(a, keys, keys)
+    cache.insert(b, *kv(4, 1.0))
+    generation = cache.rows.generation(a)
+    cache.remove(a, keep=4)
+    assert cache.rows.retained(a) == 4 and cache.occupancy().rows_used == 2
+    with pytest.raises(CacheError, match="not allocated"):
+        cache.rows.length(a)
+    cache.remove(c)
+    assert cache.allocate() == c  # a clean row goes before a retained one
+    claimed = cache.allocate(a, keep=3)
+    assert claimed == a and cache.rows.length(a) == 3 and cache.rows.retained(a) == 0
+    assert cache.rows.generation(a) == generation + 1
+    assert torch.equal(cache.row_keys(a)[0], keys[:, :, :3])
+
+
+def test_retained_rows_are_reallocated_least_recently_freed_first():
+    cache = make_cache()
+    rows = [cache.allocate() for _ in range(ROWS)]
+    for row in rows:
+        cache.insert(row, *kv(2, 1.0))
+    for row in (2, 0, 1):
+        cache.remove(row, keep=2)
+    assert [cache.allocate() for _ in range(ROWS)] == [2, 0, 1]
+    assert all(cache.rows.retained(r) == 0 and cache.rows.length(r) == 0 for r in rows)
+
+
+def test_bad_retention_and_claims_are_refused():
+    cache = make_cache()
+    a, b = cache.allocate(), cache.allocate()
+    cache.insert(a, *kv(2, 1.0))
+    with pytest.raises(CacheError, match="cannot keep 3"):
+        cache.remove(a, keep=3)
+    cache.remove(a, keep=2)
+    with pytest.raises(CacheError, match="retains 2 positions, not 3"):
+        cache.allocate(a, keep=3)
+    with pytest.raises(CacheError, match="already in use"):
+        cache.allocate(b)
+    with pytest.raises(CacheError, match="needs the retained row"):
+        cache.allocate(keep=1)
+    assert cache.allocate(2) == 2  # a clean row may be claimed by number too
+    assert cache.allocate() == a and cache.rows.length(a) == 0

@@ -175,6 +175,15 @@ def test_key_reports_the_gqa_strategy_the_library_runs(tmp_path: Path) -> None:
     assert at_24.gqa_strategy == "replicated-heads"
 
 
+def test_key_needs_no_weights(tmp_path: Path) -> None:
+    """NEFFs hold no weights: a dry run from a folder with only config.json computes serve's key."""
+    with_weights = _weights(tmp_path)
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    specs = [NeuronCompileSpec(str(m), 8, 4, 1024, "bf16") for m in (with_weights, config_only)]
+    assert _key(specs[0], tmp_path).key() == _key(specs[1], tmp_path).key()
+
+
 def test_compile_spec_from_config_takes_every_neuron_option(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """The one spec builder serve and ``neuron-lmi compile --target neuron`` share."""
     import json

@@ -1,4 +1,7 @@
-"""The asyncio engine: streaming, aborts on disconnect, bounded queue, shutdown."""
+"""The asyncio engines: streaming, aborts on disconnect, bounded queue, shutdown.
+
+Each test runs on both: ``AsyncEngine`` (the core on a thread) and ``ProcessEngine`` (the core in its
+own process, text in this one)."""
 
 from __future__ import annotations
 
@@ -7,15 +10,19 @@ import asyncio
 import pytest
 
 from neuron_lmi.engine.async_engine import AsyncEngine
+from neuron_lmi.engine.process_engine import ProcessEngine
 from neuron_lmi.engine.types import EngineOverloadedError, FinishReason, InvalidRequestError, SamplingParams
 
 from .conftest import random_prompts
 
 
-@pytest.fixture()
-async def engine(tiny_llama_dir):
+ENGINES = {"thread": AsyncEngine, "process": ProcessEngine}
+
+
+@pytest.fixture(params=sorted(ENGINES))
+async def engine(request, tiny_llama_dir):
     # Its own core: the session's sync LLM must never be stepped from two threads.
-    eng = AsyncEngine.from_options(
+    eng = ENGINES[request.param].from_options(
         str(tiny_llama_dir), max_queue_size=4, max_rolling_batch_size=4, n_positions=256
     )
     await eng.start()

@@ -223,3 +223,13 @@ def test_engine_refuses_logit_bias_outside_the_vocabulary() -> None:
             [5], SamplingParams(max_new_tokens=4, prompt_logprobs=0)
         )  # this runner cannot score prompts
     assert info.value.field == "prompt_logprobs"
+
+
+def test_grammar_reads_byte_level_tokens_as_bytes(tiny_tokenizer) -> None:
+    """SmolLM2's GGUF-converted tokenizer: "Ġ" is a space to the grammar, as to the tokenizer."""
+    from neuron_lmi.engine.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(tiny_tokenizer, len(tiny_tokenizer), [2])
+    state = compiler.state(GrammarSpec.regex(r"no, [0-9]{3} ünï 日本"))
+    assert all(state.accept(t) for t in tiny_tokenizer.encode("no, 123 ünï 日本"))
+    assert state.matcher.is_accepting()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
+from cache_api import RowTable
+from neuron_lmi.engine.prefix import PrefixHit, PrefixIndex, common_prefix
 from neuron_lmi.engine.request import Request, Status
-from neuron_lmi.engine.scheduler import RecomputeOnJoin, Scheduler
+from neuron_lmi.engine.scheduler import ChunkedPrefill, RecomputeOnJoin, Scheduler, WholePrompts
 from neuron_lmi.engine.stops import StopMatcher
 from neuron_lmi.engine.types import SamplingParams
 
@@ -65,3 +69,98 @@ def test_remove_from_waiting_and_has_work():
     sched.remove(a)
     assert not sched.has_work()
     assert sched.schedule(free_rows=1).empty
+
+
+# -- chunked prefill ---------------------------------------------------------------------------
+
+
+def decoding(name: str, n_prompt: int = 4) -> Request:
+    """A running request whose prompt is already in its row."""
+    r = req(name, n_prompt)
+    r.prefilled, r.status, r.row = n_prompt, Status.RUNNING, 0
+    return r
+
+
+def test_chunked_budget_is_shared_with_decodes_and_prompts_continue_across_steps():
+    sched = Scheduler(max_prefill_tokens=4096, prefill=ChunkedPrefill(step_tokens=64, min_chunk=8))
+    streams = [decoding(f"d{i}") for i in range(4)]
+    sched.running.extend(streams)
+    long = req("long", 100)
+    sched.add(long)
+    first = sched.schedule(free_rows=4)
+    assert first.prefill == [long] and first.decode == streams
+    assert [(c.request, c.start, c.end, c.final) for c in first.chunks] == [(long, 0, 60, False)]
+    second = sched.schedule(free_rows=3)
+    assert second.prefill == [] and second.decode == streams  # long is not decoded before its prompt is in
+    assert [(c.start, c.end, c.final) for c in second.chunks] == [(60, 100, True)]
+    assert sched.schedule(free_rows=3).decode == [*streams, long]
+
+
+def test_chunked_prefill_progresses_under_any_decode_load_and_cuts_no_slivers():
+    policy = ChunkedPrefill(step_tokens=16, min_chunk=8)
+    sched = Scheduler(max_prefill_tokens=4096, prefill=policy)
+    sched.running.extend(decoding(f"d{i}") for i in range(40))  # more decodes than the budget
+    a, b, c = req("a", 30), req("b", 3), req("c", 50)
+    for r in (a, b, c):
+        sched.add(r)
+    out = sched.schedule(free_rows=8)
+    assert [(x.request, x.end) for x in out.chunks] == [(a, 8)]  # the floor: min_chunk tokens
+    assert len(out.decode) == 40
+    sched.running = [r for r in sched.running if r.row is None]  # the streams end
+    out = sched.schedule(free_rows=7)
+    # a takes 16; b (3 tokens) fits nowhere, and c is not started with a 0-token sliver
+    assert [(x.request, x.start, x.end) for x in out.chunks] == [(a, 8, 24)]
+    out = sched.schedule(free_rows=7)
+    assert [(x.request, x.start, x.end) for x in out.chunks] == [(a, 24, 30), (b, 0, 3)]
+    assert policy.take(remaining=5, budget=5, first=False) == 5  # a short tail finishing a prompt
+    assert policy.take(remaining=50, budget=7, first=False) == 0
+
+
+def test_whole_prompts_policy_keeps_prompts_in_one_piece():
+    sched = Scheduler(max_prefill_tokens=100, prefill=WholePrompts(100))
+    big = req("big", 300)
+    sched.add(big)
+    out = sched.schedule(free_rows=2)
+    assert [(c.start, c.end) for c in out.chunks] == [(0, 300)] and big.prompt_done
+
+
+def test_chunked_prefill_rejects_a_floor_above_the_budget():
+    with pytest.raises(ValueError, match="min_chunk"):
+        ChunkedPrefill(step_tokens=8, min_chunk=16)
+
+
+# -- prefix reuse ------------------------------------------------------------------------------
+
+
+def test_prefix_index_matches_live_and_retained_rows_and_forgets_reallocated_ones():
+    rows = RowTable(4, 64)
+    index = PrefixIndex(rows, min_tokens=4)
+    shared = list(range(100, 120))
+    live = req("live", 0)
+    live.prompt_ids, live.output_ids = [*shared[:12]], shared[12:15]
+    live.row = rows.allocate()
+    rows.set_length(live.row, 14)  # prompt + outputs but the last (not fed yet)
+    retained = rows.allocate()
+    rows.set_length(retained, 10)
+    rows.remove(retained, keep=10)
+    index.retain(retained, shared[:10])
+    prompt = [*shared, 7]
+    assert index.match(prompt, [live], claimed=()) == PrefixHit(live.row, 14, retained=False)
+    live.row = None
+    assert index.match(prompt, [live], claimed=()) == PrefixHit(retained, 10, retained=True)
+    assert index.match(prompt, [], claimed={retained}) is None  # already taken this step
+    assert index.match(shared[:10], [], claimed=()).length == 9  # never the prompt's last token
+    assert index.match([*shared[:3], 1, 2, 3], [], claimed=()) is None  # shorter than min_tokens
+    assert rows.allocate() != retained  # a clean row first: the retained one stays matchable
+    rows.allocate()
+    assert rows.allocate() == retained  # now it is reused for something else
+    assert index.match(prompt, [], claimed=()) is None
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 8, 9, 31])
+def test_common_prefix(n: int):
+    a = list(range(40))
+    b = a[:n] + [-1] * 5
+    assert common_prefix(a, b, limit=100) == n
+    assert common_prefix(a, b, limit=3) == min(n, 3)
+    assert common_prefix(a, a, limit=12) == 12

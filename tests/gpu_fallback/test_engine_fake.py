@@ -107,6 +107,7 @@ class FakeBackend:
         self.llm = None
         self.kwargs = None
         self.sampling: list[dict] = []
+        self.streams: list[bool] = []
 
     def create(self, kwargs, snapshot):
         self.kwargs = kwargs
@@ -121,6 +122,7 @@ class FakeBackend:
         if kwargs["repetition_penalty"] > 50:  # a refusal naming no parameter
             raise ValueError(f"repetition_penalty must be at most 50, got {kwargs['repetition_penalty']}")
         self.sampling.append(kwargs)
+        self.streams.append(stream)
         return {**kwargs, "final_only": not stream}
 
     @staticmethod
@@ -239,6 +241,7 @@ async def test_non_streaming_requests_ask_for_the_final_output_only(engine) -> N
     assert [e.token_id for e in final] == [e.token_id for e in streamed] == [100, 101, 102]
     assert "".join(e.text for e in final) == "".join(e.text for e in streamed) == "t0t1t2"
     assert [e.index for e in final] == [0, 1, 2] and final[-1].finish_reason is FinishReason.LENGTH
+    assert engine._backend.streams[-2:] == [True, False]  # DELTA, then FINAL_ONLY
     assert engine.stats().rows_used == 0
 
 

@@ -92,6 +92,11 @@ def test_vllm_neuron_builder(monkeypatch, tmp_path, tiny_llama_dir) -> None:
         'option.override_neuron_config={"skip_warmup": true}\n'
     )
     resolved = load_config(properties_path=props, env={})
+    import gpu_fallback.config
+
+    # vLLM is not installed here: stand in for AsyncEngineArgs' field types (the pass-through reads them).
+    fields = {"enable_prefix_caching": bool, "block_size": int, "num_gpu_blocks_override": int}
+    monkeypatch.setattr(gpu_fallback.config, "engine_arg_types", lambda: fields)
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv(ARTIFACTS_VAR, "unset-after-the-test")  # so the builder's value is undone
     monkeypatch.delenv(ARTIFACTS_VAR)

@@ -2,11 +2,12 @@
 
 No GPU here, so the CUDA path is checked by its conditions: ``VLLM_WORKER_MULTIPROC_METHOD=spawn``
 is already set when ``vllm`` is first imported (so vLLM's engine core is spawned, never forked),
-and no ``torch.cuda`` call comes from neuron-lmi's code (such a call initialises the CUDA driver in
-the server process, and a forked child then cannot use it). ``AsyncLLM.from_engine_args`` is
-replaced by a recorder that builds vLLM's real ``VllmConfig`` from the arguments it receives, so the
-test also shows the usage context, LMI's defaults and the engine arguments as vLLM resolves them,
-without starting an engine.
+and no ``torch.cuda`` call comes from neuron-lmi's code, directly or through a library it calls
+(such a call initialises the CUDA driver in the server process, and a forked child then cannot use
+it); vLLM's own import-time probes, which ``vllm serve`` makes as well, are told apart.
+``AsyncLLM.from_engine_args`` is replaced by a recorder that builds vLLM's real ``VllmConfig`` from
+the arguments it receives, so the test also shows the usage context, LMI's defaults and the engine
+arguments as vLLM resolves them, without starting an engine.
 """
 
 from __future__ import annotations
@@ -47,9 +48,15 @@ ours = []
 
 def spy(name, real):
     def wrapper(*args, **kwargs):
-        stack = traceback.extract_stack()[:-1]
-        if any(os.sep + pkg + os.sep in f.filename for f in stack for pkg in ("gpu_fallback", "neuron_lmi")):
-            ours.append(name + " <- " + " | ".join(f"{f.filename}:{f.lineno}" for f in stack[-6:]))
+        # The innermost caller that is neuron-lmi or vLLM decides whose call it is: vLLM's own
+        # import (triton's driver probe) happens under `vllm serve` too; ours must not happen.
+        for frame in reversed(traceback.extract_stack()[:-1]):
+            path = frame.filename
+            if os.sep + "vllm" + os.sep in path:
+                break
+            if any(os.sep + pkg + os.sep in path for pkg in ("gpu_fallback", "neuron_lmi")):
+                ours.append(f"{name} <- {path}:{frame.lineno}")
+                break
         return real(*args, **kwargs)
 
     return wrapper

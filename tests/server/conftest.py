@@ -123,9 +123,24 @@ def start_server(
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """The tiny random Llama behind an API key, 8 KV rows, 256 positions."""
+    """The tiny random Llama behind an API key, 8 KV rows, 256 positions, fp32 like ``direct_engine``
+    (the CPU default is bf16 on hosts with native bf16)."""
     tmp = tmp_path_factory.mktemp("tiny_server")
-    server = start_server(tiny_llama_dir, tmp, ["--max-rolling-batch-size", "8", "--n-positions", "256"])
+    args = ["--max-rolling-batch-size", "8", "--n-positions", "256", "--dtype", "fp32"]
+    server = start_server(tiny_llama_dir, tmp, args)
+    yield server
+    code = server.stop()
+    if code != 0:
+        print(server.log.read_text()[-3000:])
+
+
+@pytest.fixture(scope="session")
+def tool_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The tiny random Llama with ``option.tool_call_parser=hermes``: its chat template (SmolLM2's) has
+    no tool support, so tools go through the built-in Hermes tool prompt. 512 positions for it."""
+    tmp = tmp_path_factory.mktemp("tool_server")
+    args = ["--max-rolling-batch-size", "4", "--n-positions", "512", "--dtype", "fp32"]
+    server = start_server(tiny_llama_dir, tmp, [*args, "--tool-call-parser", "hermes"])
     yield server
     code = server.stop()
     if code != 0:

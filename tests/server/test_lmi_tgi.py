@@ -111,4 +111,6 @@ def test_lmi_decoder_input_details_lists_prompt_tokens(http: httpx.Client, direc
     details = http.post("/generate", json=body).json()["details"]
     prefill = details["prefill"]
     assert [t["id"] for t in prefill] == list(direct_engine.tokenizer(PROMPT)["input_ids"])
-    assert all(set(t) == {"id", "text", "log_prob"} and t["log_prob"] is None for t in prefill)
+    assert all(set(t) == {"id", "text", "log_prob"} for t in prefill)
+    assert prefill[0]["log_prob"] is None  # nothing precedes the first token
+    assert all(isinstance(t["log_prob"], float) and t["log_prob"] <= 0 for t in prefill[1:])

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def smol_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("smol_server")
-    server = start_server("smollm2", tmp, ["--max-rolling-batch-size", "4", "--n-positions", "512"])
+    args = ["--max-rolling-batch-size", "4", "--n-positions", "512", "--dtype", "fp32"]  # as smol_engine
+    server = start_server("smollm2", tmp, args)
     yield server
     assert server.stop() == 0
 

@@ -71,6 +71,11 @@ def client(tiny_server: ServerProcess) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
 def http(tiny_server: ServerProcess) -> httpx.Client:
     with tiny_server.client(timeout=120) as c:
         yield c
@@ -84,11 +89,11 @@ def assert_valid(text: str, finish_reason: str, schema: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
-def test_chat_json_schema_output_validates(client: openai.OpenAI, name: str) -> None:
+def test_chat_json_schema_output_validates(client: openai.OpenAI, model: str, name: str) -> None:
     schema = SCHEMAS[name]
     fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
     r = client.chat.completions.create(
-        model="m",
+        model=model,
         messages=[{"role": "user", "content": "Describe a person as JSON."}],
         response_format=fmt,  # type: ignore[arg-type]
         max_tokens=120,
@@ -101,10 +106,10 @@ def test_chat_json_schema_output_validates(client: openai.OpenAI, name: str) -> 
     assert any(c.finish_reason == "stop" for c in r.choices)
 
 
-def test_chat_json_schema_streams_valid_json(client: openai.OpenAI) -> None:
+def test_chat_json_schema_streams_valid_json(client: openai.OpenAI, model: str) -> None:
     schema = SCHEMAS["nested"]
     stream = client.chat.completions.create(
-        model="m",
+        model=model,
         messages=[{"role": "user", "content": "JSON please"}],
         response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
         max_tokens=120,
@@ -116,9 +121,9 @@ def test_chat_json_schema_streams_valid_json(client: openai.OpenAI) -> None:
     assert_valid(text, chunks[-1].choices[0].finish_reason, schema)
 
 
-def test_chat_json_object_is_a_json_object(client: openai.OpenAI) -> None:
+def test_chat_json_object_is_a_json_object(client: openai.OpenAI, model: str) -> None:
     r = client.chat.completions.create(
-        model="m",
+        model=model,
         messages=[{"role": "user", "content": "Any JSON object"}],
         response_format={"type": "json_object"},
         max_tokens=150,

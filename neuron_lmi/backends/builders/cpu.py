@@ -10,13 +10,15 @@ from neuron_lmi.backends.builders.common import DEFAULT_PREFILL_TOKENS, fetch, m
 
 
 def build_cpu_engine(request: registry.BuildRequest) -> Any:
-    """The model is fetched first (built-in, local, s3://, Hub); fp32 unless a dtype was given."""
+    """The model is fetched first (built-in, local, s3://, Hub); unless a dtype was given, bf16 on
+    CPUs with native bf16 matmuls and fp32 elsewhere (``engine.build.default_cpu_dtype``)."""
     from neuron_lmi.engine.async_engine import AsyncEngine
+    from neuron_lmi.engine.build import resolve_cpu_dtype
 
     resolved = request.resolved
     cfg = resolved.config
     path = fetch(resolved, request.env)
-    dtype = "fp32" if resolved.source_of("dtype").startswith("default") else cfg.model.dtype
+    dtype = resolve_cpu_dtype(None if resolved.source_of("dtype").startswith("default") else cfg.model.dtype)
     engine = AsyncEngine.from_options(
         str(path),
         dtype=dtype,
@@ -28,8 +30,10 @@ def build_cpu_engine(request: registry.BuildRequest) -> Any:
         # LMI's option.compiled_graph_path (a directory or s3:// URI) turns on the AOT-compiled runner.
         compiled_graph_path=cfg.neuron.compiled_graph_path,
         context_length_estimate=cfg.batching.context_length_estimate,
+        quantize=cfg.neuron.quantize,  # option.quantize: int8/int4 weight-only on CPU
     )
     engine.model_name = model_name(resolved)
+    engine.dtype = dtype  # what /describe reports as model_dtype
     return engine
 
 

@@ -1,0 +1,169 @@
+"""Weight-only quantization on the CPU engine: speed and quality against the same model in fp32.
+
+Variants are engines built with ``CpuEngineOptions``: ``fp32``, ``bf16``, ``int8`` and ``int4``
+(``option.quantize``). On a GGUF file with Q4_0/Q4_1 tensors, ``int4`` runs the file's own codes
+(nothing is expanded or re-quantized); its Q8_0 embedding becomes an int8 per-row head.
+
+* Speed: generated tokens/s through the engine (``LLM.generate``, greedy, EOS ignored, 56-64-token
+  prompts cut from ``TEXT``) at each batch size; every repeat runs all variants in turn, so
+  background load hits them alike; the best repeat is printed with its ratio to fp32.
+* Quality, against fp32: token agreement (teacher-forced top-1 over fp32's greedy continuation of
+  each of ``PROMPTS``, see ``neuron_lmi.models.quant_eval``) and the perplexity of ``TEXT``.
+* llama.cpp: with ``--llama-bench PATH`` (or ``llama-bench`` on PATH) its decode speed (``-p 0 -n
+  N``) on the same GGUF file and thread count is measured in the same run; otherwise the figure of
+  issue 12 is quoted (159 tok/s llama-bench, 146 tok/s llama-server for 1 request, 2 cores).
+
+    python -m bench.quantization [--model smollm2] [--variants fp32,bf16,int8,int4] [--batch-sizes 1,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+from neuron_lmi.engine.llm import LLM
+from neuron_lmi.engine.types import SamplingParams
+from neuron_lmi.models.quant_eval import perplexity, token_agreement
+
+PROMPTS = (
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "def fibonacci(n):",
+    "Three tips for staying healthy are",
+    "The theory of relativity explains",
+    "Once upon a time, in a small village,",
+    "To make a cup of tea, first",
+    "The largest planet in the solar system",
+)
+TEXT = (
+    "The library opened at nine every morning, and by ten the reading room was usually full. Students "
+    "came with laptops and notebooks, retired teachers came with newspapers, and a few regulars came "
+    "simply to sit by the tall windows and watch the rain. The librarian, a patient woman who had "
+    "worked there for thirty years, knew most of them by name. She kept a small list of the books "
+    "people had asked for but the library did not own, and once a month she sent it to the city "
+    "council with a polite letter. Most months nothing happened. Sometimes, though, a box of new books "
+    "arrived, and she would spend the afternoon cataloguing them, smiling at the thought of who would "
+    "borrow each one first. Over the years the building changed: the card catalogue became a computer, "
+    "the typewriters became printers, and the quiet corner for children grew into a whole floor."
+)
+ISSUE_LLAMA_BENCH, ISSUE_LLAMA_SERVER = 159.0, 146.0
+
+
+def speed_prompts(tokenizer, n: int) -> list[list[int]]:
+    """``n`` prompts of 56-64 tokens: windows of ``TEXT`` at different offsets."""
+    ids = tokenizer.encode(TEXT)
+    return [ids[3 * i : 3 * i + 56 + i % 9] for i in range(n)]
+
+
+def engine_tok_s(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    results = llm.generate(prompts, params)
+    return sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
+
+
+def llama_bench_tok_s(binary: str, gguf: str, threads: int, new_tokens: int) -> float | None:
+    cmd = [binary, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(new_tokens), "-o", "json"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        print(f"llama-bench failed: {exc}", file=sys.stderr)
+        return None
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def quality(llms: dict[str, LLM], n_new: int) -> dict[str, dict[str, float]]:
+    ref = llms["fp32"].core.runner.model
+    tok = llms["fp32"].tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS]
+    greedy = SamplingParams(max_new_tokens=n_new, ignore_eos=True)
+    conts = [r.token_ids for r in llms["fp32"].generate(prompts, greedy)]
+    text = tok.encode(TEXT)
+    ppl_ref = perplexity(ref, text)
+    out = {}
+    for name, llm in llms.items():
+        model = llm.core.runner.model
+        ppl = perplexity(model, text)
+        agree = token_agreement(ref, model, prompts, conts)
+        out[name] = {"agreement": agree, "ppl": ppl, "ppl_delta_pct": 100 * (ppl / ppl_ref - 1)}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--variants", default="fp32,bf16,int8,int4")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--quality-tokens", type=int, default=32)
+    p.add_argument("--llama-bench", default=shutil.which("llama-bench"), help="llama.cpp's llama-bench")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args()
+
+    from neuron_lmi.models.loader import resolve_model_path
+
+    variants = args.variants.split(",")
+    if variants[0] != "fp32":
+        variants = ["fp32", *[v for v in variants if v != "fp32"]]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    llms = {}
+    for name in variants:
+        # Quantized variants run with the host's default dtype (their matmuls are bf16 anyway).
+        opts = {"dtype": name} if name in ("fp32", "bf16") else {"dtype": "auto", "quantize": name}
+        llms[name] = LLM(args.model, max_rolling_batch_size=max(batch_sizes), n_positions=512, **opts)
+    threads = torch.get_num_threads()
+    print(f"model={args.model} threads={threads} new_tokens={args.new_tokens} repeat={args.repeat}")
+
+    q = quality(llms, args.quality_tokens)
+    print(f"\nquality vs fp32 ({len(PROMPTS)} prompts x {args.quality_tokens} tokens; text of "
+          f"{len(llms['fp32'].tokenizer.encode(TEXT))} tokens)")  # fmt: skip
+    print(f"{'variant':>8} {'top-1 agreement':>16} {'perplexity':>11} {'delta':>8}")
+    for name, r in q.items():
+        print(f"{name:>8} {r['agreement']:>16.3f} {r['ppl']:>11.3f} {r['ppl_delta_pct']:>7.2f}%")
+
+    speed: dict[int, dict[str, float]] = {}
+    for batch in batch_sizes:
+        prompts = speed_prompts(llms["fp32"].tokenizer, batch)
+        for llm in llms.values():
+            engine_tok_s(llm, prompts[:1], 4)  # warm
+        runs: dict[str, list[float]] = {name: [] for name in llms}
+        for _ in range(args.repeat):
+            for name, llm in llms.items():
+                runs[name].append(engine_tok_s(llm, prompts, args.new_tokens))
+        speed[batch] = {name: max(r) for name, r in runs.items()}
+    print("\nengine tokens/s (best of repeats), ratio to fp32")
+    print(f"{'batch':>5} " + " ".join(f"{n:>14}" for n in llms))
+    for batch, row in speed.items():
+        cells = " ".join(f"{row[n]:>7.1f} ({row[n] / row['fp32']:>4.2f}x)" for n in llms)
+        print(f"{batch:>5} {cells}")
+
+    path = resolve_model_path(args.model)
+    peer = None
+    if args.llama_bench and path.suffix == ".gguf":
+        peer = llama_bench_tok_s(args.llama_bench, str(path), threads, args.new_tokens)
+    best_q = max((row[n] for n in llms if n in ("int4", "int8")), default=None) if 1 in speed else None
+    if 1 in speed and best_q is not None:
+        row = speed[1]
+        if peer is not None:
+            print(f"\nllama.cpp llama-bench (same file, {threads} threads): {peer:.1f} tok/s")
+        ref_bench, ref_server = (peer, peer) if peer is not None else (ISSUE_LLAMA_BENCH, ISSUE_LLAMA_SERVER)
+        label = "measured now" if peer is not None else "issue 12's figures, not measured here"
+        for name in ("int8", "int4"):
+            if name in row:
+                print(f"batch 1 {name}: {row[name] / ref_bench:.2f}x llama-bench, "
+                      f"{row[name] / ref_server:.2f}x llama-server ({label})")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": threads, "quality": q, "speed": speed, "llama_bench": peer}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The engine core's own process: schedule, run the model, sample, and send one message per step.
+
+    API process (ProcessEngine)                         engine process (this module)
+    ───────────────────────────                         ───────────────────────────
+    HTTP, tokenization, detokenization,   ADD/ABORT ─▶  EngineCore: scheduler, runner, sampler,
+    stop sequences, streams               ◀─ OUT        EOS / length checks, KV rows
+
+Everything crossing the pipe is a plain tuple, pickled once per message. ``OUT`` carries every
+token event of one loop iteration (each ``TokenEvent`` as the tuple of its fields, ``text`` left
+empty: the API process fills it in), the requests the core refused, and a stats snapshot.
+
+``ProcessEngine`` starts it as a fresh interpreter (``BOOTSTRAP``; never a fork: torch and fork do
+not mix, and unlike ``multiprocessing``'s spawn it never re-imports the caller's ``__main__``). It
+builds its ``EngineCore`` with a picklable factory (``cpu_engine_core`` for the CPU backend),
+ignores SIGINT/SIGTERM (the API process decides when it stops: a drain must not lose its engine
+to a signal sent to the whole process group) and exits when the socket closes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+import pickle
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from neuron_lmi.engine.types import InvalidRequestError, TokenEvent
+
+log = logging.getLogger(__name__)
+
+# Messages to the engine process.
+ADD, ABORT, STOP = "add", "abort", "stop"
+# Messages from it.
+READY, FAILED, OUT, DEAD = "ready", "failed", "out", "dead"
+
+IDLE_POLL_S = 0.05
+EVENT_FIELDS = tuple(f.name for f in dataclasses.fields(TokenEvent))
+event_tuple = operator.attrgetter(*EVENT_FIELDS)
+REQUEST_ID, TOKEN_ID, TEXT, FINISH = (
+    EVENT_FIELDS.index(name) for name in ("request_id", "token_id", "text", "finish_reason")
+)
+
+CoreFactory = Callable[[], Any]  # () -> EngineCore, picklable (a module-level function or partial)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the API process needs to know about the engine it talks to."""
+
+    n_positions: int
+    rows_total: int
+    vocab_size: int
+    tokenizer: Any
+
+
+def cpu_engine_core(options: Any, policy: Any = None) -> Any:
+    """The CPU engine's ``EngineCore`` from ``CpuEngineOptions`` (a factory for ``ProcessEngine``)."""
+    from neuron_lmi.engine.build import build_cpu_engine_core
+
+    return build_cpu_engine_core(options, policy)[0]
+
+
+# Run by ``python -c BOOTSTRAP FD`` in a fresh interpreter: take the API process's ``sys.path``
+# first, so that the factory unpickles against the same code, then serve on the socket FD.
+BOOTSTRAP = """
+import sys
+from multiprocessing.connection import Connection
+conn = Connection(int(sys.argv[1]))
+sys.path[:] = conn.recv()
+from neuron_lmi.engine.engine_process import engine_main
+engine_main(conn)
+"""
+
+
+def engine_main(conn: Connection) -> None:
+    """The engine process's entry point: receive (factory, log level, log format), build, serve."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        factory, log_level, log_format = conn.recv()
+        logging.basicConfig(level=log_level, format=log_format or logging.BASIC_FORMAT)
+        core = factory()
+        runner = core.runner
+        conn.send((READY, EngineInfo(runner.n_positions, runner.rows.n_rows, runner.vocab_size, core.tokenizer)))
+    except (EOFError, OSError):
+        return
+    except BaseException as exc:
+        log.exception("the engine process could not build its engine")
+        conn.send((FAILED, _picklable(exc)))
+        return
+    try:
+        EngineLoop(core, conn).run()
+    except (EOFError, OSError):
+        pass  # the API process went away
+    finally:
+        conn.close()
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+class EngineLoop:
+    """Drain messages, step the core, send what the step produced; repeat until STOP or EOF.
+
+    Invariants: every event the core emits in an iteration leaves in that iteration's one OUT
+    message; requests carry no detokenizer or stop sequences here (``NoText``), so the core does
+    token-level work only.
+    """
+
+    def __init__(self, core: Any, conn: Connection) -> None:
+        from neuron_lmi.engine.step_clock import StepClock, time_runner
+
+        self.core = core
+        self.conn = conn
+        self.clock = StepClock(time_runner(core))
+        self.outbox: list[tuple[Any, ...]] = []
+        self.rejected: list[tuple[str, str, str | None]] = []
+        self.received = 0
+
+    def run(self) -> None:
+        try:
+            while True:
+                if not self.core.has_work():
+                    self.conn.poll(IDLE_POLL_S)
+                self.clock.begin()
+                if not self._drain():
+                    return
+                stepped = self.core.has_work()
+                if stepped:
+                    self.core.step()
+                if stepped or self.outbox or self.rejected:
+                    self._send()
+                if stepped:
+                    self.clock.end()
+        except (EOFError, OSError):
+            raise
+        except BaseException as exc:  # the loop dying must be loud: the API side turns unhealthy
+            log.exception("engine loop died")
+            for request_id in list(self.core.requests):
+                self.core.abort(request_id)
+            self._send()
+            self.conn.send((DEAD, f"{type(exc).__name__}: {exc}"))
+
+    def _sink(self, event: TokenEvent) -> None:
+        self.outbox.append(event_tuple(event))
+
+    def _drain(self) -> bool:
+        """Apply every message already waiting; False on STOP."""
+        from neuron_lmi.engine.detokenizer import NoText
+        from neuron_lmi.engine.stops import StopMatcher
+
+        while self.conn.poll(0):
+            message = self.conn.recv()
+            kind = message[0]
+            if kind == ADD:
+                _, request_id, prompt_ids, params = message
+                self.received += 1
+                try:
+                    request = self.core.make_request(prompt_ids, params, request_id, sink=self._sink)
+                except InvalidRequestError as exc:
+                    self.rejected.append((request_id, str(exc), exc.field))
+                    continue
+                request.detokenizer = NoText()
+                request.stops = StopMatcher(())
+                self.core.add(request)
+            elif kind == ABORT:
+                self.core.abort(message[1])
+            elif kind == STOP:
+                return False
+        return True
+
+    def _send(self) -> None:
+        stats = self.core.stats()
+        extra = {**stats.extra, **self.clock.snapshot()}
+        snapshot = (stats.rows_total, stats.rows_used, stats.positions_used, stats.waiting, stats.running, extra)
+        self.conn.send((OUT, self.outbox, self.rejected, snapshot, self.received))
+        self.outbox, self.rejected = [], []

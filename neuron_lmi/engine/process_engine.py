@@ -1,0 +1,351 @@
+"""``ProcessEngine``: the ``Engine`` protocol in the API process, the ``EngineCore`` in its own.
+
+The engine process (``neuron_lmi.engine.engine_process``) only schedules, runs the model and samples;
+this side tokenizes prompts, turns token ids into text (``TextStream``: detokenization and stop
+sequences) and feeds each request's ``Mailbox``. The two exchange plain tuples over a pipe: one
+message per request in, one message per engine step out. A reader thread receives each step's
+message, does the text work for all of its events and hands them to the event loop in one hop, so
+the event loop never waits on the engine and the engine never waits on HTTP.
+
+A request whose text hits a stop sequence ends here at once; the engine is told to abort it (its
+row is freed at the start of the engine's next step). If the engine process dies, every running
+request ends with an ``ABORT`` event, ``stats().alive`` turns false (``/ping`` answers 503) and the
+``on_death`` callbacks run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from neuron_lmi.engine import engine_process as wire
+from neuron_lmi.engine.detokenizer import TextStream, text_decoder
+from neuron_lmi.engine.streams import Mailbox, post, read_stream
+from neuron_lmi.engine.types import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStats,
+    FinishReason,
+    InvalidRequestError,
+    SamplingParams,
+    TokenEvent,
+)
+
+log = logging.getLogger(__name__)
+
+STOP_JOIN_S = 5.0
+
+
+@dataclass(slots=True)
+class _Live:
+    """A request this side has submitted and not yet seen finish."""
+
+    mailbox: Mailbox
+    text: TextStream
+    prompt_tokens: int
+    tokens: int = 0
+
+
+class ProcessEngine:
+    """Implements ``neuron_lmi.engine.protocol.Engine`` with the engine core in a spawned process.
+
+    Invariants: the engine process is up from construction (the model is loaded) until ``stop``;
+    at most ``max_batch_size + max_queue_size`` requests are in flight (more are refused with
+    ``EngineOverloadedError``); a stream closed before its last event aborts its request; every
+    request ends with exactly one event carrying ``finish_reason``, even when the engine dies.
+    """
+
+    backend_name = "cpu"
+
+    def __init__(self, factory: wire.CoreFactory, model_name: str, max_queue_size: int = 256) -> None:
+        self.model_name = model_name
+        self.max_queue_size = max_queue_size
+        self._send_lock = threading.Lock()
+        self._live: dict[str, _Live] = {}  # single dict operations only: atomic under the GIL
+        self._sent = 0  # ADD messages sent
+        self._received = 0  # ADD messages the engine has taken
+        self._snapshot: tuple[Any, ...] = (0, 0, 0, 0, 0, {})
+        self._alive = False
+        self._stopping = False
+        self._reader: threading.Thread | None = None
+        self.failure: BaseException | None = None
+        self.on_death: list[Any] = []
+        self._proc, self._conn, info = _spawn(factory)
+        # Garbage collection or interpreter exit closes the socket; the engine process exits on EOF.
+        self._finalizer = weakref.finalize(self, _shut_down, self._proc, self._conn)
+        self.n_positions = info.n_positions
+        self.max_batch_size = info.rows_total
+        self.vocab_size = info.vocab_size
+        self._tokenizer = info.tokenizer
+        self._decode = text_decoder(info.tokenizer)
+
+    @classmethod
+    def from_options(
+        cls, model: str = "smollm2", *, max_queue_size: int = 256, policy: Any = None, **options: Any
+    ) -> ProcessEngine:
+        """The CPU engine (``CpuEngineOptions`` fields as keywords) in its own process."""
+        from neuron_lmi.engine.build import CpuEngineOptions
+
+        factory = functools.partial(wire.cpu_engine_core, CpuEngineOptions(model=model, **options), policy)
+        return cls(factory, model_name=model, max_queue_size=max_queue_size)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._reader is not None:
+            return
+        self._alive = True
+        self._reader = threading.Thread(target=self._read, name="neuron-lmi-engine-reader", daemon=True)
+        self._reader.start()
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Refuse new work, let running requests finish for ``grace_s``, abort the rest, end the
+        engine process."""
+        self._stopping = True
+        deadline = time.monotonic() + grace_s
+        while self._alive and self._live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._live):
+            self._send((wire.ABORT, request_id))
+        deadline = time.monotonic() + 1.0
+        while self._alive and self._live and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)  # let the ABORT events reach their streams
+        self._send((wire.STOP,))
+        await asyncio.to_thread(_wait, self._proc, STOP_JOIN_S)
+        self._alive = False
+        self._finalizer()
+        if self._reader is not None:
+            await asyncio.to_thread(self._reader.join, STOP_JOIN_S)
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, ValueError):  # the engine process is gone; the reader reports it
+            pass
+
+    # -- the reader thread --------------------------------------------------------------------
+    def _read(self) -> None:
+        reason = "the engine process exited"
+        try:
+            while True:
+                message = self._conn.recv()
+                if message[0] == wire.OUT:
+                    self._on_output(*message[1:])
+                elif message[0] == wire.DEAD:
+                    reason = f"the engine loop died: {message[1]}"
+                    break
+        except (EOFError, OSError):
+            pass
+        except BaseException:
+            log.exception("the engine reader failed")
+        if not self._stopping:
+            code = self._proc.poll()
+            log.error("%s%s; /ping now answers 503", reason, "" if code is None else f" (exit code {code})")
+            self.failure = EngineDeadError(reason)
+        self._alive = False
+        self._end_all()
+        if self.failure is not None:
+            for callback in self.on_death:
+                callback(self.failure)
+
+    def _on_output(
+        self, events: list[tuple[Any, ...]], rejected: list[tuple[str, str, str | None]],
+        snapshot: tuple[Any, ...], received: int,
+    ) -> None:  # fmt: skip
+        batch: list[tuple[Mailbox, TokenEvent | BaseException]] = []
+        for request_id, message, field in rejected:
+            live = self._live.pop(request_id, None)
+            if live is not None:
+                batch.append((live.mailbox, InvalidRequestError(message, field)))
+        stopped: list[str] = []
+        for fields in events:
+            request_id = fields[wire.REQUEST_ID]
+            live = self._live.get(request_id)
+            if live is None:
+                continue  # ended here already (a stop sequence, an abandoned stream)
+            finish = fields[wire.FINISH]
+            if fields[wire.TOKEN_ID] >= 0:
+                live.tokens += 1
+                text, finish = live.text.add(fields[wire.TOKEN_ID], finish)
+                if finish is FinishReason.STOP_SEQUENCE:
+                    stopped.append(request_id)
+                fields = (*fields[: wire.TEXT], text, *fields[wire.TEXT + 1 : wire.FINISH], finish, *fields[wire.FINISH + 1 :])
+            if finish is not None:
+                self._live.pop(request_id, None)
+            batch.append((live.mailbox, TokenEvent(*fields)))
+        self._snapshot, self._received = snapshot, received
+        if batch:
+            post(batch)
+        for request_id in stopped:  # harmless when the engine ended it in the same step
+            self._send((wire.ABORT, request_id))
+
+    def _end_all(self) -> None:
+        """Close every stream still open with an ABORT event (the engine is gone)."""
+        batch: list[tuple[Mailbox, TokenEvent | BaseException]] = []
+        for request_id in list(self._live):
+            live = self._live.pop(request_id, None)
+            if live is not None:
+                batch.append((live.mailbox, _abort_event(request_id, live)))
+        post(batch)
+
+    # -- requests -----------------------------------------------------------------------------
+    def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[TokenEvent]:
+        """Validate and tokenize now (raises ``InvalidRequestError``/``EngineOverloadedError``),
+        submit and stream later. What only the engine can check (e.g. a grammar) is raised from the
+        stream's first step."""
+        self._check_accepting()
+        params.validate(max_new_tokens_limit=self.n_positions - 1)
+        ids = self._prompt_ids(prompt)
+        if len(ids) + params.max_new_tokens > self.n_positions:
+            raise InvalidRequestError(
+                f"prompt of {len(ids)} tokens plus max_new_tokens={params.max_new_tokens} exceeds "
+                f"n_positions={self.n_positions}",
+                "inputs",
+            )
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._live:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
+        mailbox = Mailbox(asyncio.get_running_loop())
+        live = _Live(mailbox, TextStream(self._tokenizer, ids, params.stop, self._decode), len(ids))
+        return self._stream(request_id, ids, params, live)
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("inputs must not be empty", "inputs")
+            return list(self._tokenizer.encode(prompt))
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequestError("inputs must not be empty", "inputs")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary", "inputs")
+        return ids
+
+    def _check_accepting(self) -> None:
+        if not self._alive:
+            raise EngineDeadError("the engine loop is not running")
+        if self._stopping:
+            raise EngineOverloadedError("the server is shutting down", retry_after_s=5.0)
+        in_flight = len(self._live)
+        if in_flight >= self.max_batch_size + self.max_queue_size:
+            waiting = in_flight - self.max_batch_size
+            raise EngineOverloadedError(
+                f"{waiting} requests are already waiting for a KV row "
+                f"(0 free, max_queue_size={self.max_queue_size})"
+            )
+
+    async def _stream(
+        self, request_id: str, ids: list[int], params: SamplingParams, live: _Live
+    ) -> AsyncIterator[TokenEvent]:
+        self._check_accepting()
+        if request_id in self._live:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
+        self._live[request_id] = live
+        self._sent += 1
+        self._send((wire.ADD, request_id, ids, params))
+
+        def abandon() -> None:
+            if self._live.pop(request_id, None) is not None:
+                self._send((wire.ABORT, request_id))
+
+        async for event in read_stream(live.mailbox, abandon, lambda: self._alive):
+            yield event
+
+    async def abort(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is not None:
+            post([(live.mailbox, _abort_event(request_id, live))])
+        self._send((wire.ABORT, request_id))
+
+    def stats(self) -> EngineStats:
+        rows_total, rows_used, positions, waiting, running, extra = self._snapshot
+        return EngineStats(
+            rows_total=rows_total or self.max_batch_size,
+            rows_used=rows_used,
+            positions_used=positions,
+            waiting=waiting + max(self._sent - self._received, 0),
+            running=running,
+            alive=self._alive,
+            extra=dict(extra),
+        )
+
+
+def _abort_event(request_id: str, live: _Live) -> TokenEvent:
+    return TokenEvent(
+        request_id=request_id, index=live.tokens, token_id=-1, token_text="", text="", logprob=0.0,
+        special=False, prompt_tokens=live.prompt_tokens, finish_reason=FinishReason.ABORT,
+    )  # fmt: skip
+
+
+def _spawn(factory: wire.CoreFactory) -> tuple[subprocess.Popen[bytes], Connection, wire.EngineInfo]:
+    """Start the engine process and wait until its engine is built (or raise why it was not)."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", wire.BOOTSTRAP, str(theirs.fileno())], pass_fds=(theirs.fileno(),)
+        )
+        conn = Connection(ours.detach())
+    root = logging.getLogger()
+    handler = root.handlers[0] if root.handlers else None
+    fmt = handler.formatter._fmt if handler is not None and handler.formatter is not None else None  # noqa: SLF001
+    try:
+        conn.send(list(sys.path))
+        conn.send((factory, root.getEffectiveLevel(), fmt))
+        while not conn.poll(0.2):
+            if proc.poll() is not None:
+                raise EOFError
+        kind, payload = conn.recv()
+    except (EOFError, OSError):
+        _shut_down(proc, conn)
+        raise RuntimeError(f"the engine process exited with code {proc.returncode} while starting") from None
+    if kind == wire.FAILED:
+        _shut_down(proc, conn)
+        raise payload
+    return proc, conn, payload
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _shut_down(proc: subprocess.Popen[bytes], conn: Connection) -> None:
+    """Ask the engine process to stop and close the socket; kill it if it has not exited within
+    ``STOP_JOIN_S`` (it ignores SIGTERM)."""
+    try:
+        conn.send((wire.STOP,))
+    except (OSError, ValueError):
+        pass
+    try:
+        conn.close()
+    except OSError:
+        pass
+    try:
+        proc.wait(STOP_JOIN_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(STOP_JOIN_S)
+
+
+__all__ = ["ProcessEngine"]

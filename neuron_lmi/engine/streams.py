@@ -1,0 +1,112 @@
+"""Token events from an engine loop (a thread, or the reader of an engine process) to asyncio streams.
+
+One step of the engine produces events for many requests. They reach the event loop as one batch:
+a single ``call_soon_threadsafe`` per step (per event loop, in practice one), not one per token.
+Each request reads its events from a ``Mailbox`` (a deque and a future to wake the reader), so a
+token costs an append and, when the reader was waiting, one ``set_result``: no task, queue or
+timeout per token.
+
+    engine loop ──step──> [(mailbox, event), ...] ──post()──> loop.call_soon_threadsafe(_deliver, batch)
+                                                                  └─> mailbox.events.append(event); wake
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable
+
+from neuron_lmi.engine.types import EngineDeadError, TokenEvent
+
+
+class Mailbox:
+    """The events of one request, read by one coroutine on ``loop``.
+
+    Invariants: ``events`` and ``waiter`` are touched on ``loop``'s thread only (``post`` hops
+    there); ``closed`` is set once the event carrying ``finish_reason`` was delivered, or by
+    ``fail`` (then ``error`` is raised to the reader once the events before it are read).
+    """
+
+    __slots__ = ("loop", "events", "waiter", "error", "closed")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.events: deque[TokenEvent] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.error: BaseException | None = None
+        self.closed = False
+
+    def put(self, event: TokenEvent) -> None:
+        """On the loop's thread."""
+        if self.closed:
+            return
+        self.events.append(event)
+        if event.finish_reason is not None:
+            self.closed = True
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        """On the loop's thread: the reader gets ``error`` after any events already queued."""
+        if self.closed:
+            return
+        self.error, self.closed = error, True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> TokenEvent:
+        while not self.events:
+            if self.error is not None:
+                raise self.error
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.events.popleft()
+
+
+def _deliver(batch: list[tuple[Mailbox, TokenEvent | BaseException]]) -> None:
+    for mailbox, item in batch:
+        if isinstance(item, BaseException):
+            mailbox.fail(item)
+        else:
+            mailbox.put(item)
+
+
+def post(batch: Iterable[tuple[Mailbox, TokenEvent | BaseException]]) -> None:
+    """From any thread: deliver ``batch`` in order, with one hop per event loop involved.
+
+    A loop that is already closed (its requests were abandoned) is skipped.
+    """
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Mailbox, TokenEvent | BaseException]]] = {}
+    for mailbox, item in batch:
+        by_loop.setdefault(mailbox.loop, []).append((mailbox, item))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # the loop is closed: nobody reads these mailboxes any more
+            pass
+
+
+async def read_stream(
+    mailbox: Mailbox, on_abandon: Callable[[], None], alive: Callable[[], bool]
+) -> AsyncIterator[TokenEvent]:
+    """Yield a request's events up to the one carrying ``finish_reason``. Closing the iterator
+    before that calls ``on_abandon`` (which aborts the request and frees its row)."""
+    finished = False
+    try:
+        while True:
+            if not mailbox.events and not mailbox.closed and not alive():
+                raise EngineDeadError("the engine loop stopped while the request was running")
+            event = await mailbox.get()
+            finished = event.finish_reason is not None
+            yield event
+            if finished:
+                return
+    finally:
+        if not finished:
+            on_abandon()
