@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     base, _ = build_cpu_engine_core(options)
     policies = {
-        "whole prompts": WholePrompts(max_tokens=1 << 20),
+        "whole prompts": WholePrompts(max_tokens=4096),  # the engine before chunks
         f"chunked ({args.step_tokens}/step)": ChunkedPrefill(args.step_tokens),
     }
     out = {}

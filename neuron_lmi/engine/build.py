@@ -68,8 +68,8 @@ class CpuEngineOptions:
     compiled_graph_path: str | None = None
     no_compile: bool = False
     context_length_estimate: tuple[int, ...] | None = None  # option.context_length_estimate
-    # option.quantize: weight-only int8/int4 (neuron_lmi.models.quantize); a GGUF file's Q4/Q8 codes
-    # are kept as they are instead of being expanded and re-quantized.
+    # option.quantize: weight-only int8/int4 (neuron_lmi.models.quantize); int4 on a GGUF file runs
+    # its Q4_0/Q4_1 codes as they are (Q8_0 ones as int8 per row) instead of expanding them.
     quantize: str | None = None
 
     def dtype_name(self) -> str:
@@ -149,9 +149,9 @@ def _load_model(options: CpuEngineOptions, path: Path) -> tuple[Any, Any, int]:
     from neuron_lmi.models.quantize import quantize_model
 
     dtype = options.torch_dtype()
-    # With quantize, a GGUF file's Q4/Q8 codes go into the model as they are (never expanded),
-    # unless tensor parallelism has dense weights to split first.
-    keep = options.quantize is not None and options.tensor_parallel_degree == 1
+    # int4: a GGUF file's Q4/Q8 codes go into the model as they are (never expanded), unless tensor
+    # parallelism has dense weights to split first. int8 re-quantizes them per row from their values.
+    keep = options.quantize == "int4" and options.tensor_parallel_degree == 1
     ckpt = load_checkpoint(path, dtype=dtype, keep_quantized=keep)
     max_pos = int(getattr(ckpt.config, "max_position_embeddings", DEFAULT_MAX_N_POSITIONS))
     n_positions = options.n_positions or min(max_pos, DEFAULT_MAX_N_POSITIONS)

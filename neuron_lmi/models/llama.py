@@ -47,6 +47,19 @@ class DecodeInputs:
     attn_len: int
     scale: float
     row_slice: slice | None  # ``rows`` as a slice when they are an ascending run
+    groups: tuple[AttentionGroup, ...] = ()  # attention per length bucket (empty: one over attn_len)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionGroup:
+    """Decode rows that attend over the same shorter length: one long row does not make every
+    other row read ``attn_len`` positions (``DecoderLayer`` uses these; other layers may ignore them
+    and attend over ``DecodeInputs.attn_len``, which covers every row)."""
+
+    index: torch.Tensor  # [b] positions of these rows in the batch
+    rows: torch.Tensor | slice
+    mask: torch.Tensor  # [b, 1, 1, attn_len] bool
+    attn_len: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +151,16 @@ class DecoderLayer(nn.Module):
         q, k, v = self.qkv(x)
         q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
         write_step(k_layer, v_layer, step.rows, step.positions, k[:, :, 0], v[:, :, 0])
-        rows = step.row_slice if step.row_slice is not None else step.rows
-        k_all, v_all = k_layer[rows, :, : step.attn_len], v_layer[rows, :, : step.attn_len]
-        x = x + self.attn_out(grouped_decode_attention(q, k_all, v_all, step.mask, step.scale))
+        if step.groups:
+            attn = torch.empty_like(q)
+            for g in step.groups:
+                k_all, v_all = k_layer[g.rows, :, : g.attn_len], v_layer[g.rows, :, : g.attn_len]
+                attn[g.index] = grouped_decode_attention(q[g.index], k_all, v_all, g.mask, step.scale)
+        else:
+            rows = step.row_slice if step.row_slice is not None else step.rows
+            k_all, v_all = k_layer[rows, :, : step.attn_len], v_layer[rows, :, : step.attn_len]
+            attn = grouped_decode_attention(q, k_all, v_all, step.mask, step.scale)
+        x = x + self.attn_out(attn)
         return x + self.mlp(x)
 
     def extend_step(
@@ -216,8 +236,11 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def supports_extend(self) -> bool:
-        """Whether every layer has ``extend_step`` (a tensor-parallel model's sharded layers do not)."""
-        return all(isinstance(layer, DecoderLayer) for layer in self.layers)
+        """Whether ``extend`` applies: every layer has ``extend_step`` (a tensor-parallel model's
+        sharded layers do not), and the rope tables do not depend on the whole sequence's length
+        (``dynamic`` does, so a prompt prefilled in chunks would be rotated differently)."""
+        layers_extend = all(isinstance(layer, DecoderLayer) for layer in self.layers)
+        return layers_extend and self.rotary.spec.kind != "dynamic"
 
     def window_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """Causal (and sliding-window) visibility, True where query at q_pos may see key at k_pos."""
@@ -286,21 +309,39 @@ class LlamaForCausalLM(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         attn_len: int,
+        attn_lens: list[int] | None = None,
     ) -> torch.Tensor:
         """One token per row: writes its K/V at ``positions`` of ``rows`` and returns logits [B, vocab].
 
         ``k_cache``/``v_cache`` are ``[n_layers, n_rows, KVH, n_positions, D]`` (``make_cache().k``/``.v``:
         indexed by layer, whatever a layer holds); attention reads the first ``attn_len`` positions
-        (>= every position + 1).
+        (>= every position + 1), or, with ``attn_lens`` (one per row, each >= its position + 1), each
+        group of rows sharing a length reads only that many.
         """
         b = tokens.shape[0]
         cos, sin = self.rotary.lookup(positions[:, None], seq_lens=(positions + 1).tolist())
         mask = self.window_mask(positions[:, None], torch.arange(attn_len)[None, :]).view(b, 1, 1, attn_len)
-        step = DecodeInputs(rows, positions, cos, sin, mask, attn_len, self.scale, _contiguous(rows))
+        groups = self._attention_groups(rows, positions, attn_lens) if attn_lens else ()
+        step = DecodeInputs(rows, positions, cos, sin, mask, attn_len, self.scale, _contiguous(rows), groups)
         x = F.embedding(tokens[:, None], self.embed)
         for i, layer in enumerate(self.layers):
             x = layer.decode_step(x, k_cache[i], v_cache[i], step)
         return self.logits(x[:, 0])
+
+    def _attention_groups(
+        self, rows: torch.Tensor, positions: torch.Tensor, attn_lens: list[int]
+    ) -> tuple[AttentionGroup, ...]:
+        if len(set(attn_lens)) < 2:
+            return ()
+        groups = []
+        lens = torch.tensor(attn_lens)
+        for length in sorted(set(attn_lens)):
+            index = (lens == length).nonzero()[:, 0]
+            pos = positions[index]
+            mask = self.window_mask(pos[:, None], torch.arange(length)[None, :]).view(-1, 1, 1, length)
+            g_rows = rows[index]
+            groups.append(AttentionGroup(index, _contiguous(g_rows) or g_rows, mask, length))
+        return tuple(groups)
 
     @torch.inference_mode()
     def extend(

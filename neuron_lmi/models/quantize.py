@@ -10,8 +10,9 @@ and so does ``lm_head``. Embedding lookups, norms, biases and the MoE router sta
     int4    int4, groups of 32 along K, min/max  int8 per output row (as llama.cpp's Q4 files keep
                                                  their output/embedding tensor in Q6_K/Q8_0)
 
-Weights already quantized at load (a GGUF file's Q4/Q8 codes) are kept as they are; a weight whose
-shape no CPU kernel takes (``quant.kernel_fits``) stays dense.
+Weights already quantized at load are kept as they are (with int4, the engine builder loads a GGUF
+file's Q4_0/Q4_1 codes straight into ``Int4Linear`` modules, and Q8_0 ones as int8 per row); a weight
+whose shape no CPU kernel takes (``quant.kernel_fits``) stays dense.
 """
 
 from __future__ import annotations

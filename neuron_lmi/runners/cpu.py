@@ -162,7 +162,9 @@ class CpuRunner:
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         positions = self.cache.reserve_next(rows)
-        attn_len = pick_bucket(self.token_buckets, int(positions.max()) + 1)
+        # Each row attends over its own length bucket: a long row does not widen the others'.
+        attn_lens = [pick_bucket(self.token_buckets, p + 1) for p in positions.tolist()]
+        attn_len = max(attn_lens)
         return self.model.decode(
             torch.tensor(list(tokens), dtype=torch.long),
             torch.tensor(list(rows), dtype=torch.long),
@@ -170,6 +172,7 @@ class CpuRunner:
             self.cache.k,
             self.cache.v,
             attn_len,
+            attn_lens,
         )
 
     def prompt_logits(self, prompt: Sequence[int]) -> torch.Tensor:

@@ -14,6 +14,7 @@ LMI/TGI bodies also carry ``field`` when one parameter is to blame; OpenAI's car
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -46,6 +47,8 @@ OPENAI_TYPES: dict[str, str] = {
 # Pydantic puts union members and wrapper names into ``loc``; they are not field names.
 _LOC_NOISE = ("[", "function-", "constrained-", "lax-", "strict-", "json-or-python")
 _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "tuple"})
+# Request fields are snake_case; CamelCase in a ``loc`` is a model class inside a union.
+_MODEL_NAME = re.compile(r"^[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+$")
 
 
 class ApiError(Exception):
@@ -153,13 +156,28 @@ def _field_path(loc: tuple[Any, ...]) -> str | None:
         text = str(item)
         if isinstance(item, str) and (text in _TYPE_NAMES or any(n in text for n in _LOC_NOISE)):
             continue
+        if isinstance(item, str) and _MODEL_NAME.match(text):  # a union member's class, not a field
+            continue
         parts.append(text)
     return ".".join(parts) or None
 
 
+def _most_specific(errors: list[Any]) -> Any:
+    """The error that says most: a value that failed every member of a union (``inputs: str |
+    list[str]``) gets one error per member; the one that went deepest into the value, preferring
+    a broken constraint to a wrong type, names the real field (``inputs.1``, not ``inputs``)."""
+
+    def rank(error: Any) -> tuple[int, bool]:
+        field = _field_path(tuple(error.get("loc", ()))) or ""
+        return (len(field.split(".")) if field else 0, not str(error.get("type", "")).endswith("_type"))
+
+    return max(errors, key=rank)  # max keeps the first of equals: pydantic's own order breaks ties
+
+
 def from_validation_error(exc: ValidationError, family: Family) -> ApiError:
-    """The first pydantic error as an ``ApiError`` naming the field path (``parameters.top_p``)."""
-    first = exc.errors(include_url=False)[0]
+    """The most specific pydantic error as an ``ApiError`` naming the field path (``parameters.top_p``)."""
+    errors = exc.errors(include_url=False)
+    first = next((e for e in errors if e.get("type") == "json_invalid"), None) or _most_specific(errors)
     if first.get("type") == "json_invalid":
         return invalid(family, f"request body is not valid JSON: {first.get('msg')}", "body")
     field = _field_path(tuple(first.get("loc", ())))

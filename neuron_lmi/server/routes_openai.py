@@ -27,6 +27,7 @@ from neuron_lmi.server.generation import (
     Collected,
     ReleasingStreamingResponse,
     TokenStream,
+    close_all,
     collect,
     failure_of,
     is_token,
@@ -174,8 +175,12 @@ async def completions(request: Request) -> Response:
     per_prompt = max(req.n, req.best_of or 1)
     if per_prompt > req.n:  # candidates are ranked by their log-probabilities
         params = dataclasses.replace(params, logprobs=True)
-    texts = [p if isinstance(p, str) else ctx.tokenizer.decode(p) for p in prompts]
     streams = await open_streams(ctx.engine, ctx.metrics, _fan_out(prompts, params, per_prompt), "cmpl")
+    try:  # decoded once the engine accepted the ids (a negative or huge id crashes the tokenizer)
+        texts = [p if isinstance(p, str) else ctx.tokenizer.decode(p) for p in prompts]
+    except BaseException:
+        await close_all(streams)
+        raise
     head = {
         "id": new_request_id("cmpl"),
         "object": "text_completion",

@@ -12,13 +12,23 @@ only when set to something this server cannot honour. Response shapes differ:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from neuron_lmi.engine.types import FinishReason, InvalidRequestError, SamplingParams, TokenEvent, TopToken
 from neuron_lmi.server.errors import Family, invalid
 from neuron_lmi.server.generation import Collected
+from neuron_lmi.server.schema_types import (
+    NonEmptyStr,
+    PositiveInt,
+    RepetitionPenalty,
+    Seed,
+    Stop,
+    TopK,
+    TopN,
+    TopP,
+)
 from neuron_lmi.server.schemas_grammar import TgiGrammar, tgi_grammar
 
 DEFAULT_MAX_NEW_TOKENS = 30
@@ -32,24 +42,27 @@ class LmiParameters(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
+    max_new_tokens: PositiveInt | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_k: TopK | None = None
+    top_p: TopP | None = None
     do_sample: bool | None = None
-    repetition_penalty: float | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     frequency_penalty: float | None = Field(
-        default=None, description="In [-2, 2]: subtracted from a token's logit per time it was generated."
+        default=None,
+        ge=-2.0,
+        le=2.0,
+        description="In [-2, 2]: subtracted from a token's logit per time it was generated.",
     )
-    stop: list[str] | str | None = None
-    seed: int | None = None
+    stop: Stop | None = None
+    seed: Seed | None = None
     details: bool = False
     decoder_input_details: bool = Field(
         default=False, description="Return the prompt's tokens and log-probabilities in details.prefill."
     )
-    top_n_tokens: int | None = None
+    top_n_tokens: TopN | None = None
     return_full_text: bool = False
-    truncate: int | None = None
+    truncate: PositiveInt | None = None
     typical_p: float | None = None
     best_of: int | None = None
     watermark: bool = False
@@ -64,7 +77,7 @@ class LmiRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    inputs: str | list[str]
+    inputs: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
     parameters: LmiParameters = LmiParameters()
     stream: bool = False
 

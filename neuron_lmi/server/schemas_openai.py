@@ -11,12 +11,24 @@ generation_config.json defaults (vLLM) applies them, as vLLM's server does.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from neuron_lmi.engine.types import InvalidRequestError, SamplingParams
 from neuron_lmi.server.errors import invalid
+from neuron_lmi.server.schema_types import (
+    LogitBias,
+    NonEmptyStr,
+    PositiveInt,
+    RepetitionPenalty,
+    Seed,
+    Stop,
+    TokenId,
+    TopK,
+    TopN,
+    TopP,
+)
 from neuron_lmi.server.schemas_grammar import ResponseFormat, parse_logit_bias, response_format_grammar
 from neuron_lmi.server.schemas_tools import ToolCallIn, ToolChoice, ToolDefinition
 
@@ -45,14 +57,14 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: PositiveInt | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
-    top_p: float | None = None
-    n: int = 1
+    top_p: TopP | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Stop | None = None
+    seed: Seed | None = None
     presence_penalty: float | None = Field(
         default=None,
         ge=-2.0,
@@ -65,12 +77,12 @@ class _Common(BaseModel):
         le=2.0,
         description="Subtracted from a token's logit once per time it was already generated.",
     )
-    logit_bias: dict[str, float] | None = Field(
+    logit_bias: LogitBias | None = Field(
         default=None, description="Token id (as a string) -> bias in [-100, 100] added to its logit."
     )
     user: str | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = None
+    top_k: TopK | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, description="EOS is not generated before this many tokens.")
     min_p: float | None = Field(
@@ -89,8 +101,13 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    logprobs: TopN | None = None
     echo: bool = Field(
         default=False, description="Prepend the prompt (and, with logprobs, its log-probabilities)."
     )
@@ -132,10 +149,10 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Common):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopN | None = None
     tools: list[ToolDefinition] | None = Field(
         default=None, description="Functions the model may call, rendered by the model's chat template."
     )

@@ -69,7 +69,7 @@ class Llama3JsonParser(ToolParser):
         return Parsed(None, tuple(calls)) if calls else Parsed(text)
 
     def start(self, text: str) -> int | None:
-        return len(text) - len(text.lstrip()) if self._body(text) is not None else None
+        return 0 if self._body(text) is not None else None  # leading whitespace is no content
 
     def held(self, text: str) -> int:
         stripped = text.lstrip()
