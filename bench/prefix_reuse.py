@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name, core in (("without reuse", fresh), ("with reuse", reuse)):
         if args.while_running:  # a long-running sharer holds the system prompt in a live row
-            core.add(core.make_request([*system, 7], SamplingParams(max_new_tokens=10_000, ignore_eos=True)))
+            core.add(core.make_request([*system, 7], SamplingParams(max_new_tokens=1000, ignore_eos=True)))
             core.step()
         times, outputs = measure(core, prompts, params)
         for request_id in list(core.requests):

@@ -6,7 +6,8 @@ Variants are engines built with ``CpuEngineOptions``: ``fp32``, ``bf16``, ``int8
 
 * Speed: generated tokens/s through the engine (``LLM.generate``, greedy, EOS ignored, 56-64-token
   prompts cut from ``TEXT``) at each batch size; every repeat runs all variants in turn, so
-  background load hits them alike; the best repeat is printed with its ratio to fp32.
+  background load hits them alike; the best repeat is printed with its ratio to fp32, in wall
+  time and per CPU-second of this process (which other processes' load on a shared host skews less).
 * Quality, against fp32: token agreement (teacher-forced top-1 over fp32's greedy continuation of
   each of ``PROMPTS``, see ``neuron_lmi.models.quant_eval``) and the perplexity of ``TEXT``.
 * llama.cpp: with ``--llama-bench PATH`` (or ``llama-bench`` on PATH) its decode speed (``-p 0 -n
@@ -61,11 +62,13 @@ def speed_prompts(tokenizer, n: int) -> list[list[int]]:
     return [ids[3 * i : 3 * i + 56 + i % 9] for i in range(n)]
 
 
-def engine_tok_s(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
+def engine_tok_s(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(tokens per wall second, tokens per CPU second of this process, all its threads)."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     results = llm.generate(prompts, params)
-    return sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
+    n = sum(len(r.token_ids) for r in results)
+    return n / (time.perf_counter() - wall), n / (time.process_time() - cpu)
 
 
 def llama_bench_tok_s(binary: str, gguf: str, threads: int, new_tokens: int) -> float | None:
@@ -95,6 +98,58 @@ def quality(llms: dict[str, LLM], n_new: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def build_variants(model: str, variants: list[str], rows: int) -> dict[str, LLM]:
+    llms = {}
+    for name in ["fp32", *[v for v in variants if v != "fp32"]]:
+        # Quantized variants run with the host's default dtype (their matmuls are bf16 anyway).
+        opts = {"dtype": name} if name in ("fp32", "bf16") else {"dtype": "auto", "quantize": name}
+        llms[name] = LLM(model, max_rolling_batch_size=rows, n_positions=512, **opts)
+    return llms
+
+
+def print_quality(q: dict[str, dict[str, float]], n_new: int, text_tokens: int) -> None:
+    print(f"\nquality vs fp32 ({len(PROMPTS)} prompts x {n_new} tokens; text of {text_tokens} tokens)")
+    print(f"{'variant':>8} {'top-1 agreement':>16} {'perplexity':>11} {'delta':>8}")
+    for name, r in q.items():
+        print(f"{name:>8} {r['agreement']:>16.3f} {r['ppl']:>11.3f} {r['ppl_delta_pct']:>7.2f}%")
+
+
+def measure_speed(llms: dict[str, LLM], batch: int, new_tokens: int, repeat: int) -> dict[str, list[float]]:
+    """Best (wall, CPU) tokens/s per variant; each repeat runs every variant in turn."""
+    prompts = speed_prompts(llms["fp32"].tokenizer, batch)
+    for llm in llms.values():
+        engine_tok_s(llm, prompts[:1], 4)  # warm
+    best = {name: [0.0, 0.0] for name in llms}
+    for _ in range(repeat):
+        for name, llm in llms.items():
+            wall, cpu = engine_tok_s(llm, prompts, new_tokens)
+            best[name] = [max(best[name][0], wall), max(best[name][1], cpu)]
+    return best
+
+
+def print_speed(speed: dict[int, dict[str, list[float]]]) -> None:
+    print("\nengine tokens/s, best of repeats: wall | per CPU-second (robust to other load), x fp32 wall")
+    for batch, row in speed.items():
+        fp32 = row["fp32"][0]
+        cells = "  ".join(f"{n} {w:.1f} | {c:.1f} ({w / fp32:.2f}x)" for n, (w, c) in row.items())
+        print(f"batch {batch}: {cells}")
+
+
+def print_peer(row: dict[str, list[float]], peer: float | None, threads: int) -> None:
+    if peer is not None:
+        print(f"\nllama.cpp llama-bench (same file, {threads} threads): {peer:.1f} tok/s")
+        ref_bench = ref_server = peer
+        label = "measured now"
+    else:
+        ref_bench, ref_server = ISSUE_LLAMA_BENCH, ISSUE_LLAMA_SERVER
+        label = "issue 12's figures on a quiet 2-core host, not measured here"
+    for name in ("int8", "int4"):
+        if name in row:
+            wall = row[name][0]
+            print(f"batch 1 {name} (wall): {wall / ref_bench:.2f}x llama-bench, "
+                  f"{wall / ref_server:.2f}x llama-server ({label})")  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -103,62 +158,29 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--quality-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--llama-bench", default=shutil.which("llama-bench"), help="llama.cpp's llama-bench")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
 
     from neuron_lmi.models.loader import resolve_model_path
 
-    variants = args.variants.split(",")
-    if variants[0] != "fp32":
-        variants = ["fp32", *[v for v in variants if v != "fp32"]]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    llms = {}
-    for name in variants:
-        # Quantized variants run with the host's default dtype (their matmuls are bf16 anyway).
-        opts = {"dtype": name} if name in ("fp32", "bf16") else {"dtype": "auto", "quantize": name}
-        llms[name] = LLM(args.model, max_rolling_batch_size=max(batch_sizes), n_positions=512, **opts)
+    llms = build_variants(args.model, args.variants.split(","), max(batch_sizes))
     threads = torch.get_num_threads()
     print(f"model={args.model} threads={threads} new_tokens={args.new_tokens} repeat={args.repeat}")
-
     q = quality(llms, args.quality_tokens)
-    print(f"\nquality vs fp32 ({len(PROMPTS)} prompts x {args.quality_tokens} tokens; text of "
-          f"{len(llms['fp32'].tokenizer.encode(TEXT))} tokens)")  # fmt: skip
-    print(f"{'variant':>8} {'top-1 agreement':>16} {'perplexity':>11} {'delta':>8}")
-    for name, r in q.items():
-        print(f"{name:>8} {r['agreement']:>16.3f} {r['ppl']:>11.3f} {r['ppl_delta_pct']:>7.2f}%")
-
-    speed: dict[int, dict[str, float]] = {}
-    for batch in batch_sizes:
-        prompts = speed_prompts(llms["fp32"].tokenizer, batch)
-        for llm in llms.values():
-            engine_tok_s(llm, prompts[:1], 4)  # warm
-        runs: dict[str, list[float]] = {name: [] for name in llms}
-        for _ in range(args.repeat):
-            for name, llm in llms.items():
-                runs[name].append(engine_tok_s(llm, prompts, args.new_tokens))
-        speed[batch] = {name: max(r) for name, r in runs.items()}
-    print("\nengine tokens/s (best of repeats), ratio to fp32")
-    print(f"{'batch':>5} " + " ".join(f"{n:>14}" for n in llms))
-    for batch, row in speed.items():
-        cells = " ".join(f"{row[n]:>7.1f} ({row[n] / row['fp32']:>4.2f}x)" for n in llms)
-        print(f"{batch:>5} {cells}")
-
+    print_quality(q, args.quality_tokens, len(llms["fp32"].tokenizer.encode(TEXT)))
+    speed = {b: measure_speed(llms, b, args.new_tokens, args.repeat) for b in batch_sizes}
+    print_speed(speed)
     path = resolve_model_path(args.model)
     peer = None
     if args.llama_bench and path.suffix == ".gguf":
         peer = llama_bench_tok_s(args.llama_bench, str(path), threads, args.new_tokens)
-    best_q = max((row[n] for n in llms if n in ("int4", "int8")), default=None) if 1 in speed else None
-    if 1 in speed and best_q is not None:
-        row = speed[1]
-        if peer is not None:
-            print(f"\nllama.cpp llama-bench (same file, {threads} threads): {peer:.1f} tok/s")
-        ref_bench, ref_server = (peer, peer) if peer is not None else (ISSUE_LLAMA_BENCH, ISSUE_LLAMA_SERVER)
-        label = "measured now" if peer is not None else "issue 12's figures, not measured here"
-        for name in ("int8", "int4"):
-            if name in row:
-                print(f"batch 1 {name}: {row[name] / ref_bench:.2f}x llama-bench, "
-                      f"{row[name] / ref_server:.2f}x llama-server ({label})")  # fmt: skip
+    if 1 in speed:
+        print_peer(speed[1], peer, threads)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": threads, "quality": q, "speed": speed, "llama_bench": peer}, f, indent=2)

@@ -56,7 +56,7 @@ class IncrementalDetokenizer:
     (left context for the next token); everything after ``read_offset`` is held.
     """
 
-    __slots__ = ("_decode", "ids", "prefix_offset", "read_offset", "_prefix_text")
+    __slots__ = ("_decode", "_prefix_text", "ids", "prefix_offset", "read_offset")
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], decode: Decode | None = None) -> None:
         self._decode = decode or text_decoder(tokenizer)

@@ -27,13 +27,16 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from neuron_lmi.engine.types import InvalidRequestError, TokenEvent
+from neuron_lmi.engine.types import InvalidRequestError, SamplingParams, TokenEvent
 
 log = logging.getLogger(__name__)
 
-# Messages to the engine process.
+# Messages to the engine process (after the bootstrap's sys.path and (factory, log level, format)):
+#   (ADD, request_id, prompt_ids, params_tuple(params))   (ABORT, request_id)   (STOP,)
 ADD, ABORT, STOP = "add", "abort", "stop"
-# Messages from it.
+# Messages from it: (READY, EngineInfo) or (FAILED, exception) once, then per loop iteration
+#   (OUT, [event_tuple(event), ...], [(request_id, message, field), ...], stats, adds_taken)
+# and (DEAD, reason) if the loop dies.
 READY, FAILED, OUT, DEAD = "ready", "failed", "out", "dead"
 
 IDLE_POLL_S = 0.05
@@ -42,6 +45,22 @@ event_tuple = operator.attrgetter(*EVENT_FIELDS)
 REQUEST_ID, TOKEN_ID, TEXT, FINISH = (
     EVENT_FIELDS.index(name) for name in ("request_id", "token_id", "text", "finish_reason")
 )
+
+
+def with_text(fields: tuple[Any, ...], text: str, finish: Any) -> tuple[Any, ...]:
+    """An event tuple with its ``text`` and ``finish_reason`` replaced (the API process's part)."""
+    return (*fields[:TEXT], text, *fields[TEXT + 1 : FINISH], finish, *fields[FINISH + 1 :])
+
+
+# SamplingParams travel as the tuple of their fields: pickling the frozen dataclass itself costs
+# ~40x more (its __getstate__ walks dataclasses.fields() on every call).
+PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+params_tuple = operator.attrgetter(*PARAM_FIELDS)
+
+
+def params_from(values: tuple[Any, ...]) -> SamplingParams:
+    return SamplingParams(**dict(zip(PARAM_FIELDS, values, strict=True)))
+
 
 CoreFactory = Callable[[], Any]  # () -> EngineCore, picklable (a module-level function or partial)
 
@@ -84,7 +103,8 @@ def engine_main(conn: Connection) -> None:
         logging.basicConfig(level=log_level, format=log_format or logging.BASIC_FORMAT)
         core = factory()
         runner = core.runner
-        conn.send((READY, EngineInfo(runner.n_positions, runner.rows.n_rows, runner.vocab_size, core.tokenizer)))
+        info = EngineInfo(runner.n_positions, runner.rows.n_rows, runner.vocab_size, core.tokenizer)
+        conn.send((READY, info))
     except (EOFError, OSError):
         return
     except BaseException as exc:
@@ -164,7 +184,9 @@ class EngineLoop:
                 _, request_id, prompt_ids, params = message
                 self.received += 1
                 try:
-                    request = self.core.make_request(prompt_ids, params, request_id, sink=self._sink)
+                    request = self.core.make_request(
+                        prompt_ids, params_from(params), request_id, sink=self._sink
+                    )
                 except InvalidRequestError as exc:
                     self.rejected.append((request_id, str(exc), exc.field))
                     continue
@@ -180,6 +202,8 @@ class EngineLoop:
     def _send(self) -> None:
         stats = self.core.stats()
         extra = {**stats.extra, **self.clock.snapshot()}
-        snapshot = (stats.rows_total, stats.rows_used, stats.positions_used, stats.waiting, stats.running, extra)
+        snapshot = (
+            stats.rows_total, stats.rows_used, stats.positions_used, stats.waiting, stats.running, extra
+        )  # fmt: skip
         self.conn.send((OUT, self.outbox, self.rejected, snapshot, self.received))
         self.outbox, self.rejected = [], []

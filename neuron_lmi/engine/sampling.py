@@ -28,6 +28,7 @@ from neuron_lmi.engine.grammar import GrammarState, allowed_tokens
 from neuron_lmi.engine.types import SamplingParams
 
 NEG_INF = float("-inf")
+DRAW_BLOCKS = (256, 128, 64, 32)  # block sizes of the two-level CDF (the first that divides vocab)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,11 +133,27 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
 
 
 def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """One token per row by inverse CDF, from one uniform number of each row's own generator."""
+    """One token per row by inverse CDF, from one uniform number of each row's own generator.
+
+    The CDF is two-level (sums of blocks of ``DRAW_BLOCKS[i]`` tokens, then a scan of the one block the
+    draw lands in), which reads ``probs`` once instead of writing a ``[B, vocab]`` prefix sum.
+    """
     u = torch.cat([torch.rand(1, generator=g) for g in generators])
-    cdf = probs.cumsum(dim=-1)
-    target = (1.0 - u)[:, None] * cdf[:, -1:]  # in (0, total]: never lands on a zero-mass token
-    return torch.searchsorted(cdf, target).clamp_(max=probs.shape[-1] - 1)[:, 0]
+    n, vocab = probs.shape
+    block = next((b for b in DRAW_BLOCKS if vocab % b == 0 and vocab > b), 0)
+    if not block:
+        cdf = probs.cumsum(dim=-1)
+        target = (1.0 - u)[:, None] * cdf[:, -1:]  # in (0, total]: never lands on a zero-mass token
+        return torch.searchsorted(cdf, target).clamp_(max=vocab - 1)[:, 0]
+    blocks = probs.view(n, vocab // block, block)
+    cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [n, vocab / block]
+    target = (1.0 - u)[:, None] * cdf[:, -1:]
+    b = torch.searchsorted(cdf, target).clamp_(max=cdf.shape[1] - 1)  # [n, 1]: the block
+    before = torch.where(b > 0, cdf.gather(1, (b - 1).clamp_(min=0)), torch.zeros_like(target))
+    inner = blocks.gather(1, b[:, :, None].expand(n, 1, block))[:, 0].cumsum(dim=-1)  # [n, block]
+    # Rounding between the block sums and the scan must not land on a zero-mass token at either end.
+    rest = torch.minimum(target - before, inner[:, -1:]).clamp_(min=torch.finfo(probs.dtype).tiny)
+    return (b * block + torch.searchsorted(inner, rest))[:, 0]
 
 
 def process_logits(
@@ -147,8 +164,9 @@ def process_logits(
     grammars: Sequence[GrammarState | None],
     stop_ids: Sequence[int],
 ) -> torch.Tensor:
-    """The logits sampling chooses from: penalties, bias and masks applied (a new tensor)."""
-    x = logits.clone()
+    """The logits sampling chooses from: penalties, bias and masks applied (``logits`` itself when
+    no row uses any of them, else a new tensor; ``logits`` is never modified)."""
+    x = logits
     if any(p.repetition_penalty != 1.0 for p in params):
         x = apply_repetition_penalty(x, histories, [p.repetition_penalty for p in params])
     if any(p.presence_penalty or p.frequency_penalty for p in params):
@@ -158,10 +176,10 @@ def process_logits(
     if any(p.logit_bias for p in params):
         x = apply_logit_bias(x, [p.logit_bias for p in params])
     if any(g is not None for g in grammars):
-        x = apply_grammar(x, grammars)
+        x = apply_grammar(x.clone() if x is logits else x, grammars)
     early = [i for i, p in enumerate(params) if len(outputs[i]) < p.min_tokens]
     if early and stop_ids:
-        x = mask_stop_tokens(x, early, stop_ids)
+        x = mask_stop_tokens(x.clone() if x is logits else x, early, stop_ids)
     return x
 
 
@@ -184,18 +202,24 @@ def sample(
     grammars = grammars if grammars is not None else [None] * len(params)
     logprobs_all = torch.log_softmax(logits, dim=-1)
     x = process_logits(logits, params, histories, outputs, grammars, stop_ids)
-    chosen = x.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
+    every = len(rows) == len(params)
+    chosen = torch.empty(len(params), dtype=torch.long) if every else x.max(dim=-1).indices
     if rows:
         sub = [params[i] for i in rows]
-        temperature = torch.tensor([p.temperature for p in sub])[:, None]
+        scaled = x if every else x[rows]
+        if any(p.temperature != 1.0 for p in sub):
+            scaled = scaled / torch.tensor([p.temperature for p in sub])[:, None]
         filtered = filter_logits(
-            x[rows] / temperature,
+            scaled,
             torch.tensor([p.top_k for p in sub]),
             torch.tensor([p.top_p for p in sub]),
             torch.tensor([p.min_p for p in sub]),
         )
-        chosen[rows] = draw(torch.softmax(filtered, dim=-1), [generators[i] for i in rows])
+        # Unchanged logits (temperature 1, nothing applied): their softmax is exp(log_softmax).
+        probs = logprobs_all.exp() if filtered is logits else torch.softmax(filtered, dim=-1)
+        picked = draw(probs, [generators[i] for i in rows])
+        chosen = picked if every else chosen.index_put_((torch.tensor(rows),), picked)
     chosen_logprobs = logprobs_all.gather(1, chosen[:, None])[:, 0]
     max_top = max((p.top_n_tokens for p in params), default=0)
     top_ids: list[list[int]] = [[] for _ in params]

@@ -5,9 +5,11 @@
                            └─ runner.prefill/decode ◀── │       events, sending them on
                          hand the events over          ─┘ model: the runner's forward calls only
 
-``TimedRunner`` wraps a ``ModelRunner`` and adds up the wall time spent inside its forward calls;
+``TimedRunner`` wraps a ``ModelRunner`` and adds up the time spent inside its forward calls;
 ``StepClock`` turns iterations into running means (over the last ``window`` steps that decoded),
-reported in ``EngineStats.extra`` and from there on ``/metrics``. Decode steps are the ones that
+reported in ``EngineStats.extra`` and from there on ``/metrics``. Host time is measured twice: on
+the wall clock (what the model waits for) and as the loop thread's own CPU time (what it costs;
+unlike the wall clock it does not grow when other processes take the cores). Decode steps are the ones that
 matter for throughput (a prefill's host time is dwarfed by its forward), so the means are over
 iterations whose batch had decodes; the step count and the last batch size say what they cover.
 """
@@ -33,6 +35,7 @@ class TimedRunner:
     def __init__(self, runner: Any) -> None:
         self._runner = runner
         self.forward_s = 0.0
+        self.forward_cpu_s = 0.0  # CPU time of the calling thread inside forward calls
         self.decoded_rows = 0
         for name in FORWARD_METHODS:
             method = getattr(runner, name, None)
@@ -41,11 +44,12 @@ class TimedRunner:
 
     def _timed(self, method: Any, counts_rows: bool) -> Any:
         def call(rows: Sequence[int], *args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return method(rows, *args, **kwargs)
             finally:
                 self.forward_s += time.perf_counter() - start
+                self.forward_cpu_s += time.thread_time() - cpu
                 if counts_rows:
                     self.decoded_rows += len(rows)
 
@@ -71,52 +75,54 @@ def time_runner(core: Any) -> TimedRunner:
 class StepClock:
     """Running means of host and model time per engine step that decoded.
 
-    Invariants: ``host_s + model_s`` of an iteration is its wall time; means cover at most the last
+    Invariants: host + model time of an iteration is its wall time; means cover at most the last
     ``window`` decode steps; ``steps`` counts all iterations that ran ``EngineCore.step``.
     """
 
     def __init__(self, runner: TimedRunner, window: int = DEFAULT_WINDOW) -> None:
         self.runner = runner
         self.steps = 0
-        self._window: deque[tuple[float, float, int]] = deque()
+        self._window: deque[tuple[float, float, float, int]] = deque()
         self._size = window
-        self._sums = [0.0, 0.0, 0.0]  # host seconds, model seconds, decoded rows over the window
+        self._sums = [0.0, 0.0, 0.0, 0.0]  # host s, model s, host CPU s, decoded rows (window)
         self._last_host = 0.0
-        self._start = 0.0
-        self._forward0 = 0.0
+        self._start = self._cpu = self._forward0 = self._forward_cpu0 = 0.0
         self._rows0 = 0
 
     def begin(self) -> None:
-        self._start = time.perf_counter()
-        self._forward0 = self.runner.forward_s
+        self._start, self._cpu = time.perf_counter(), time.thread_time()
+        self._forward0, self._forward_cpu0 = self.runner.forward_s, self.runner.forward_cpu_s
         self._rows0 = self.runner.decoded_rows
 
     def end(self) -> None:
         """Close the iteration opened by ``begin`` (everything in between counts)."""
         wall = time.perf_counter() - self._start
+        cpu = time.thread_time() - self._cpu
         model = self.runner.forward_s - self._forward0
+        model_cpu = self.runner.forward_cpu_s - self._forward_cpu0
         rows = self.runner.decoded_rows - self._rows0
         self.steps += 1
         if rows:
-            self._add((max(wall - model, 0.0), model, rows))
+            self._add((max(wall - model, 0.0), model, max(cpu - model_cpu, 0.0), rows))
 
-    def _add(self, sample: tuple[float, float, int]) -> None:
+    def _add(self, sample: tuple[float, float, float, int]) -> None:
         if len(self._window) == self._size:
             old = self._window.popleft()
-            for i in range(3):
+            for i in range(4):
                 self._sums[i] -= old[i]
         self._window.append(sample)
-        for i in range(3):
+        for i in range(4):
             self._sums[i] += sample[i]
         self._last_host = sample[0]
 
     def snapshot(self) -> dict[str, float]:
         """``EngineStats.extra`` entries (milliseconds; zero before the first decode step)."""
         n = len(self._window)
-        host, model, rows = self._sums
+        host, model, host_cpu, rows = self._sums
         return {
             "steps": float(self.steps),
             "host_ms_per_step": 1000.0 * host / n if n else 0.0,
+            "host_cpu_ms_per_step": 1000.0 * host_cpu / n if n else 0.0,
             "model_ms_per_step": 1000.0 * model / n if n else 0.0,
             "decode_batch": rows / n if n else 0.0,
             "host_ms_per_step_last": 1000.0 * self._last_host,

@@ -13,6 +13,7 @@ timeout per token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 
@@ -27,7 +28,7 @@ class Mailbox:
     ``fail`` (then ``error`` is raised to the reader once the events before it are read).
     """
 
-    __slots__ = ("loop", "events", "waiter", "error", "closed")
+    __slots__ = ("closed", "error", "events", "loop", "waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -86,10 +87,8 @@ def post(batch: Iterable[tuple[Mailbox, TokenEvent | BaseException]]) -> None:
     for mailbox, item in batch:
         by_loop.setdefault(mailbox.loop, []).append((mailbox, item))
     for loop, items in by_loop.items():
-        try:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody reads these mailboxes
             loop.call_soon_threadsafe(_deliver, items)
-        except RuntimeError:  # the loop is closed: nobody reads these mailboxes any more
-            pass
 
 
 async def read_stream(

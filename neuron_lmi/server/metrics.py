@@ -32,11 +32,19 @@ EXTRA_GAUGES: dict[str, tuple[str, str]] = {
         "mean over the last 256 decode steps",
         "host_ms_per_step",
     ),
+    "neuron_lmi_engine_host_cpu_ms_per_step": (
+        "CPU time of the engine loop's thread per decode step beside the model's forward, "
+        "mean over the last 256 decode steps",
+        "host_cpu_ms_per_step",
+    ),
     "neuron_lmi_engine_model_ms_per_step": (
         "model forward time per decode step, mean over the last 256 decode steps",
         "model_ms_per_step",
     ),
-    "neuron_lmi_engine_decode_batch": ("rows decoded per step, mean over the last 256 decode steps", "decode_batch"),
+    "neuron_lmi_engine_decode_batch": (
+        "rows decoded per step, mean over the last 256 decode steps",
+        "decode_batch",
+    ),
 }
 
 

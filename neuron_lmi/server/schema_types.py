@@ -9,7 +9,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from neuron_lmi.engine.types import MAX_LOGIT_BIAS, MAX_STOP_SEQUENCES, MAX_TOP_N_TOKENS
+from neuron_lmi.engine.types import MAX_STOP_SEQUENCES, MAX_TOP_N_TOKENS
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -20,6 +20,3 @@ TopK = Annotated[int, Field(ge=0, description="0 disables top-k.")]
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=100.0)]
 TopN = Annotated[int, Field(ge=0, le=MAX_TOP_N_TOKENS)]
 Stop = NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_SEQUENCES)]
-LogitBias = dict[
-    Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
-]

@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from neuron_lmi.engine.types import InvalidRequestError, SamplingParams
 from neuron_lmi.server.errors import invalid
 from neuron_lmi.server.schema_types import (
-    LogitBias,
     NonEmptyStr,
     PositiveInt,
     RepetitionPenalty,
@@ -77,7 +76,7 @@ class _Common(BaseModel):
         le=2.0,
         description="Subtracted from a token's logit once per time it was already generated.",
     )
-    logit_bias: LogitBias | None = Field(
+    logit_bias: dict[str, float] | None = Field(
         default=None, description="Token id (as a string) -> bias in [-100, 100] added to its logit."
     )
     user: str | None = None

@@ -21,7 +21,9 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_greedy_text_only_on_stdout_matches_the_engine(tiny_llama_dir: Path) -> None:
     prompt = "The weather today"
-    done = cli("--model", str(tiny_llama_dir), "--max-new-tokens", "12", "--temperature", "0", prompt)
+    # LLM() defaults to fp32; the command line defaults to the host's dtype (bf16 with native bf16).
+    args = ("--model", str(tiny_llama_dir), "--max-new-tokens", "12", "--temperature", "0", "--dtype", "fp32")
+    done = cli(*args, prompt)
     assert done.returncode == 0, done.stderr
     expected = LLM(str(tiny_llama_dir), max_rolling_batch_size=1).generate(
         prompt, SamplingParams(max_new_tokens=12)

@@ -47,6 +47,8 @@ def test_compile_command_hits_and_reports(
         str(compiled_store.model_dir),
         "--target",
         "cpu",
+        "--dtype",
+        "fp32",  # the store was compiled in fp32; the host default may be bf16
         "--n-positions",
         str(compiled_store.n_positions),
         "--max-rolling-batch-size",

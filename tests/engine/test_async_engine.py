@@ -15,7 +15,6 @@ from neuron_lmi.engine.types import EngineOverloadedError, FinishReason, Invalid
 
 from .conftest import random_prompts
 
-
 ENGINES = {"thread": AsyncEngine, "process": ProcessEngine}
 
 

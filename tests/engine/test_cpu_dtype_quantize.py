@@ -63,7 +63,7 @@ def _cpu_builder_kwargs(monkeypatch: pytest.MonkeyPatch, model: Path, **cli: str
     from neuron_lmi.backends import registry
     from neuron_lmi.backends.builders.cpu import build_cpu_engine
     from neuron_lmi.config import load_config
-    from neuron_lmi.engine.async_engine import AsyncEngine
+    from neuron_lmi.engine.process_engine import ProcessEngine
 
     seen: dict[str, Any] = {}
 
@@ -71,7 +71,7 @@ def _cpu_builder_kwargs(monkeypatch: pytest.MonkeyPatch, model: Path, **cli: str
         seen.update(kwargs)
         return argparse.Namespace()
 
-    monkeypatch.setattr(AsyncEngine, "from_options", staticmethod(record))
+    monkeypatch.setattr(ProcessEngine, "from_options", staticmethod(record))
     resolved = load_config({"model_id": str(model), **cli}, None, env={})
     engine = build_cpu_engine(registry.BuildRequest(resolved, {}, "cpu", 1))
     seen["reported_dtype"] = engine.dtype

@@ -54,9 +54,14 @@ _GGUF_NAMES = {
 
 
 def _write_gguf(
-    ckpt: LoadedCheckpoint, out: Path, tied: bool = False, extra: Callable[[Any], None] | None = None
+    ckpt: LoadedCheckpoint,
+    out: Path,
+    tied: bool = False,
+    extra: Callable[[Any], None] | None = None,
+    qtype: Any = None,
 ) -> Path:
-    """A GGUF with llama.cpp's layout of ``ckpt`` (fp32 tensors, permuted Q/K); ``extra`` adds metadata."""
+    """A GGUF with llama.cpp's layout of ``ckpt`` (fp32 tensors, permuted Q/K); ``extra`` adds metadata;
+    ``qtype`` (a ``gguf.GGMLQuantizationType``) stores the matrices in that block format."""
     import gguf
 
     cfg = ckpt.config
@@ -90,7 +95,11 @@ def _write_gguf(
                 "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight",
             }[name]
-        writer.add_tensor(gguf_name, tensor.float().numpy())
+        array = tensor.float().numpy()
+        if qtype is not None and array.ndim == 2:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

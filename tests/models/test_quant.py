@@ -124,3 +124,26 @@ def test_smollm2_kept_codes_are_the_dense_loaders_values(smollm2_gguf: Path) -> 
             formats.add((tensor.bits, tensor.group_size))
             torch.testing.assert_close(tensor.dequantize(), dense[name], rtol=0, atol=0, msg=name)
     assert formats == {(4, 32), (8, 32)}  # Q4_1 layers, Q8_0 embedding
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_gguf_codes_go_into_the_model_unexpanded(kind: str, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    import gguf
+
+    from neuron_lmi.models import build_model
+    from neuron_lmi.models.loader import load_checkpoint
+    from tests.models.test_loader import _write_gguf
+
+    path = _write_gguf(
+        load_checkpoint(tiny_llama_dir), tmp_path / "q.gguf", qtype=gguf.GGMLQuantizationType[kind]
+    )
+    dense = load_checkpoint(path)
+    kept = load_checkpoint(path, keep_quantized=True)
+    ref = build_model(dense.config, dense.state_dict, 64)
+    model = build_model(kept.config, kept.state_dict, 64)
+    expected = Int4Linear if kind == "Q4_1" else Int8Linear
+    assert isinstance(model.layers[0].wqkv, expected) and isinstance(model.lm_head, expected)
+    ids = torch.tensor([[5, 900, 31, 7000, 12]])
+    want, _, _ = ref.prefill(ids, [5])
+    got, _, _ = model.prefill(ids, [5])
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()  # bf16 matmuls (+ int8 re-quantization)

@@ -8,9 +8,9 @@ perplexity change of a fixed sequence), for the quantized paths only:
     SmolLM2-135M (slow)        >= 0.90         >= 0.85         <= 3% / 3%
 
 Random tiny weights are the worst case for 4-bit (no outliers to spend the range on, flat logits):
-measured 0.99 / 0.76 (Llama) and 0.97 / 0.74 (Mixtral), perplexity +-0.3% / +6% and -2%. SmolLM2's GGUF is Q4_1 already, so its
-int4 run keeps the file's codes and differs from fp32 (the dequantized file) only by the int8
-head and bf16 matmuls.
+measured 0.99 / 0.76 (Llama) and 0.97 / 0.74 (Mixtral), perplexity within 0.3% (int8) and 6%
+(int4). SmolLM2's GGUF is Q4_1 already, so its int4 run keeps the file's codes and differs from
+fp32 (the dequantized file) only by the int8 head and bf16 matmuls.
 """
 
 from __future__ import annotations

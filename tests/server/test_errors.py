@@ -75,7 +75,7 @@ CASES: list[tuple[str, bytes, int, str]] = [
     ("/v1/chat/completions", _raw({**OK_CHAT, "max_completion_tokens": -3}), 400, "max_completion_tokens"),
     ("/v1/chat/completions", _raw({**OK_CHAT, "top_logprobs": 2}), 400, "top_logprobs"),
     ("/v1/chat/completions", _raw({**OK_CHAT, "max_tokens": 10**6}), 400, "max_tokens"),
-    ("/v1/chat/completions", _raw({**OK_CHAT, "tools": [{"type": "function"}]}), 400, "tools"),
+    ("/v1/chat/completions", _raw({**OK_CHAT, "tools": [{"type": "function"}]}), 400, "tools.0.function"),
 ]
 
 

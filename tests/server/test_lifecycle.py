@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -96,8 +95,9 @@ def test_sigterm_finishes_in_flight_then_exits_zero(small_server: ServerProcess)
         httpx.get(f"{small_server.url}/ping", timeout=2)
 
 
-CRASHING_SERVE = """
-import sys
+# A sitecustomize that breaks EngineCore.step in every interpreter started with it on PYTHONPATH:
+# the server's and its engine process's (the CPU engine core runs in a process of its own).
+CRASHING_ENGINE = """
 from neuron_lmi.engine import core
 original = core.EngineCore.step
 def step(self):
@@ -105,9 +105,14 @@ def step(self):
         raise RuntimeError("injected engine failure")
     return original(self)
 core.EngineCore.step = step
-from neuron_lmi.cli import main
-sys.exit(main(sys.argv[1:]))
 """
+
+
+def _crash_hook(tmp_path: Path) -> Path:
+    hook = tmp_path / "crash-hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(CRASHING_ENGINE)
+    return hook
 
 
 @pytest.mark.parametrize("fail_fast", [False, True])
@@ -117,8 +122,10 @@ def test_dead_engine_loop_is_never_silent(tiny_llama_dir: Path, tmp_path: Path, 
         tmp_path,
         ["--max-rolling-batch-size", "2"],
         api_key=None,
-        env={"SERVING_FAIL_FAST": "true" if fail_fast else "false"},
-        command=[sys.executable, "-c", CRASHING_SERVE],
+        env={
+            "SERVING_FAIL_FAST": "true" if fail_fast else "false",
+            "PYTHONPATH": str(_crash_hook(tmp_path)),
+        },
     )
     try:
         r = httpx.post(

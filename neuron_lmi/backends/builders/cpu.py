@@ -12,14 +12,14 @@ from neuron_lmi.backends.builders.common import DEFAULT_PREFILL_TOKENS, fetch, m
 def build_cpu_engine(request: registry.BuildRequest) -> Any:
     """The model is fetched first (built-in, local, s3://, Hub); unless a dtype was given, bf16 on
     CPUs with native bf16 matmuls and fp32 elsewhere (``engine.build.default_cpu_dtype``)."""
-    from neuron_lmi.engine.async_engine import AsyncEngine
     from neuron_lmi.engine.build import resolve_cpu_dtype
+    from neuron_lmi.engine.process_engine import ProcessEngine
 
     resolved = request.resolved
     cfg = resolved.config
     path = fetch(resolved, request.env)
     dtype = resolve_cpu_dtype(None if resolved.source_of("dtype").startswith("default") else cfg.model.dtype)
-    engine = AsyncEngine.from_options(
+    engine = ProcessEngine.from_options(
         str(path),
         dtype=dtype,
         max_rolling_batch_size=cfg.batching.max_rolling_batch_size,
