@@ -18,6 +18,7 @@ to a signal sent to the whole process group) and exits when the socket closes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import operator
@@ -100,18 +101,20 @@ def engine_main(conn: Connection) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         factory, log_level, log_format = conn.recv()
-        logging.basicConfig(level=log_level, format=log_format or logging.BASIC_FORMAT)
+    except (EOFError, OSError):
+        return  # the API process went away before sending the factory
+    logging.basicConfig(level=log_level, format=log_format or logging.BASIC_FORMAT)
+    try:
         core = factory()
         runner = core.runner
         info = EngineInfo(runner.n_positions, runner.rows.n_rows, runner.vocab_size, core.tokenizer)
-        conn.send((READY, info))
-    except (EOFError, OSError):
-        return
-    except BaseException as exc:
+    except BaseException as exc:  # a missing model (FileNotFoundError) included: the API side raises it
         log.exception("the engine process could not build its engine")
-        conn.send((FAILED, _picklable(exc)))
+        with contextlib.suppress(OSError):
+            conn.send((FAILED, _picklable(exc)))
         return
     try:
+        conn.send((READY, info))
         EngineLoop(core, conn).run()
     except (EOFError, OSError):
         pass  # the API process went away

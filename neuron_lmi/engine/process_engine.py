@@ -156,15 +156,15 @@ class ProcessEngine:
             pass
         except BaseException:
             log.exception("the engine reader failed")
+        self._alive = False
         if not self._stopping:
-            code = self._proc.poll()
+            _wait(self._proc, 1.0)
+            code = self._proc.returncode
             log.error("%s%s; /ping now answers 503", reason, "" if code is None else f" (exit code {code})")
             self.failure = EngineDeadError(reason)
-        self._alive = False
-        self._end_all()
-        if self.failure is not None:
             for callback in self.on_death:
                 callback(self.failure)
+        self._end_all()  # after the death is known: a stream that ends here finds the engine dead
 
     def _on_output(
         self, events: list[tuple[Any, ...]], rejected: list[tuple[str, str, str | None]],

@@ -15,6 +15,8 @@ q|k|v and gate|up the same way for both. Quantizing a model is a transform appli
 
 Activations: torch 2.13's fp32 paths of both kernels are scalar loops (5-25x slower than their bf16
 paths, measured on AVX-512), so a quantized linear computes in bf16 and hands back the caller's dtype.
+Both kernels are matrix-vector loops, fast for decode but linear in the number of input rows, so
+from ``gemm_min_rows`` rows on (prefill) the weight is dequantized to bf16 for one GEMM instead.
 """
 
 from __future__ import annotations
@@ -113,8 +115,14 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedTensor
 
 class QuantizedLinear(nn.Module):
     """A packed ``[out_features, in_features]`` weight; ``forward(x)`` is ``x @ w.T`` in bf16, returned
-    in ``x``'s dtype. Buffers only (no parameters), so ``state_dict``, ``torch.compile`` and export see
+    in ``x``'s dtype: the packed kernel below ``gemm_min_rows`` input rows, a dequantized bf16 GEMM
+    from there on. Buffers only (no parameters), so ``state_dict``, ``torch.compile`` and export see
     the codes as constants."""
+
+    # torch's packed kernels are matrix-vector loops whose time grows with every input row (at 64
+    # rows 6-8x a bf16 GEMM); from this many rows on (prefill, large decode batches) dequantizing the
+    # weight and running one GEMM is cheaper (dequantizing costs about as much as 16-32 kernel rows).
+    gemm_min_rows = 32
 
     def __init__(self, out_features: int, in_features: int) -> None:
         super().__init__()
@@ -123,10 +131,18 @@ class QuantizedLinear(nn.Module):
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def dequantize(self) -> torch.Tensor:
+        """The weight in bf16, ``[out_features, in_features]``."""
+        raise NotImplementedError
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Python checks instead of no-op reshape/to calls: ~120 linears run per decoded token.
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = self._mm(x2 if x2.dtype == COMPUTE_DTYPE else x2.to(COMPUTE_DTYPE))
+        x2 = x2 if x2.dtype == COMPUTE_DTYPE else x2.to(COMPUTE_DTYPE)
+        y = self._mm(x2) if x2.shape[0] < self.gemm_min_rows else self._gemm(x2)
         if x.dim() != 2:
             y = y.view(*x.shape[:-1], self.out_features)
         return y if x.dtype == COMPUTE_DTYPE else y.to(x.dtype)
@@ -148,22 +164,76 @@ class Int8Linear(QuantizedLinear):
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
 
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.to(COMPUTE_DTYPE) * self.scales[:, None]
+
 
 class Int4Linear(QuantizedLinear):
-    """4-bit groupwise codes with scale and zero per group (``aten._weight_int4pack_mm_for_cpu``)."""
+    """4-bit groupwise codes with scale and zero per group (``aten._weight_int4pack_mm_for_cpu``).
+
+    For the GEMM path the codes are read back from the kernel's own blocked layout (no second copy)
+    and dequantized in it, where the per-group scales broadcast along a contiguous 64-row axis
+    (broadcasting along 32-wide groups instead is 4-5x slower); ``N % 64 != 0`` or a layout this
+    torch does not share keeps plain nibbles instead.
+    """
+
+    gemm_min_rows = 48  # dequantizing costs more than for int8
 
     def __init__(self, q: QuantizedTensor) -> None:
         if q.bits != 4 or q.group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"Int4Linear needs 4-bit codes, groups of 32..256; got {q.bits}/{q.group_size}")
         super().__init__(*q.shape)
+        n, k = q.shape
+        g = k // q.group_size
         self.group_size = q.group_size
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.codes.to(torch.int32), 1)
         self.register_buffer("packed", packed)
         scale_zero = torch.stack([q.scale.t(), q.zero.t()], dim=-1)  # type: ignore[union-attr]
         self.register_buffer("scale_zero", scale_zero.to(COMPUTE_DTYPE).contiguous())
+        # Dequantized w = q * scale + (zero - 8 * scale): one fused multiply-add per element.
+        scale, offset = q.scale, q.zero - 8 * q.scale  # type: ignore[operator]
+        blocks = _blocked_codes(packed, n, k) if n % 64 == 0 else None
+        self.blocked = blocks is not None and torch.equal(blocks.transpose(1, 2).reshape(n, k), q.codes)
+        if self.blocked:  # [n / 64, G, 1, 64], matching the codes' [n / 64, G, group, 64]
+            scale, offset = (t.view(n // 64, 64, g).transpose(1, 2)[:, :, None] for t in (scale, offset))
+        else:
+            scale, offset = scale[..., None], offset[..., None]  # [n, G, 1]
+            codes = q.codes.view(n, -1, 2)
+            self.register_buffer("nibbles", codes[..., 0] | (codes[..., 1] << 4))
+        self.register_buffer("scale_groups", scale.to(COMPUTE_DTYPE).contiguous())
+        self.register_buffer("offset_groups", offset.to(COMPUTE_DTYPE).contiguous())
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zero)
+
+    def _weight(self) -> torch.Tensor:
+        """bf16 weight in the stored layout: blocked [n / 64, G, group, 64] or plain [n, G, group]."""
+        n, k, gs = self.out_features, self.in_features, self.group_size
+        if self.blocked:
+            codes = _blocked_codes(self.packed, n, k).view(n // 64, k // gs, gs, 64)
+        else:
+            codes = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(n, k // gs, gs)
+        return torch.addcmul(self.offset_groups, codes.to(COMPUTE_DTYPE), self.scale_groups)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        if not self.blocked:
+            return F.linear(x, self._weight().view(n, k))
+        y = torch.matmul(x, self._weight().view(n // 64, k, 64))  # [n / 64, rows, 64]
+        return y.transpose(0, 1).reshape(x.shape[0], n)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.out_features, self.in_features
+        w = self._weight()
+        return w.view(n // 64, k, 64).transpose(1, 2).reshape(n, k) if self.blocked else w.view(n, k)
+
+
+def _blocked_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """uint8 codes [n / 64, k, 64] (transposed 64-row blocks) from ``_convert_weight_to_int4pack_for_cpu``
+    for n % 64 == 0 (torch 2.13, x86): blocks of 64 rows stored k-major, one byte per k holding row r
+    (low nibble) and row r + 32 (high nibble). ``Int4Linear`` checks it against the codes first."""
+    blocks = packed.view(n // 64, k, 32)
+    return torch.cat([blocks & 15, blocks >> 4], dim=-1)
 
 
 def kernel_fits(bits: int, out_features: int, in_features: int, group_size: int = 32) -> bool:

@@ -309,6 +309,7 @@ def _fake_nvml(monkeypatch: pytest.MonkeyPatch, count: int) -> list[str]:
 def test_probe_counts_gpus_through_nvml_without_initialising_cuda(cuda_never_touched, monkeypatch, tmp_path):
     calls = _fake_nvml(monkeypatch, 4)
     env = {"CUDA_VISIBLE_DEVICES": "2,3"}
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)  # an earlier test in the vLLM tier imported it
     probe = probe_host(dev_glob=str(tmp_path / "neuron*"), env=env, nvidia_glob=str(tmp_path / "nvidia*"))
     assert probe.cuda_devices == 2 and calls == ["init", "shutdown"]
     assert "vllm" not in sys.modules  # vLLM is not imported to find the platform

@@ -55,14 +55,21 @@ KERNELS = {"int8": (quantize_int8, Int8Linear), "int4": (quantize_int4, Int4Line
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("method", sorted(KERNELS))
-def test_kernel_matches_dequantized_matmul(method: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("rows", "out"), [(3, 64), (64, 64), (3, 48), (64, 48)])
+def test_kernel_matches_dequantized_matmul(method: str, dtype: torch.dtype, rows: int, out: int) -> None:
+    """Few rows run the packed kernel, many a dequantized GEMM (int4 from the kernel's blocked
+    layout when N % 64 == 0, else from plain nibbles); all equal x @ w.T up to bf16 rounding."""
     quantize, kernel = KERNELS[method]
-    q = quantize(_weight(64, 96))
+    q = quantize(_weight(out, 96))
     layer: QuantizedLinear = kernel(q)
-    x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(1)).to(dtype)
+    assert (rows >= layer.gemm_min_rows) == (rows == 64)
+    if method == "int4":
+        assert layer.blocked == (out % 64 == 0)
+    torch.testing.assert_close(layer.dequantize().float(), q.dequantize(), rtol=1e-2, atol=0.05)
+    x = torch.randn(2, rows, 96, generator=torch.Generator().manual_seed(1)).to(dtype)
     ref = x.float() @ q.dequantize().T
     y = layer(x)
-    assert y.shape == (2, 3, 64) and y.dtype == dtype
+    assert y.shape == (2, rows, out) and y.dtype == dtype
     assert (y.float() - ref).abs().max() <= 0.02 * ref.abs().max()
 
 
