@@ -16,6 +16,13 @@ Run it from the vLLM environment (``scripts/setup_vllm_env.sh``); the CPU engine
 
 Prints throughput and TTFT of each, the ratio ours-vllm / vllm (target >= 0.95 on throughput), and
 ours-cpu / vllm.
+
+``--tiny`` measures serving overhead instead of the model: a 2-layer random Llama (hidden 128, head
+dim 64) with SmolLM2's tokenizer, built with the main ``.venv``, served by ``ours-cpu`` and ``vllm``
+at 64 concurrent streams (batch 64, ~60-token prompts, 128 new tokens); our rounds also print the
+engine's own host time per decode step (``/metrics``):
+
+    .venv-vllm/bin/python bench/vllm_compare.py --tiny --out results/serve_tiny.json
 """
 
 from __future__ import annotations
@@ -35,6 +42,36 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+# The serving-overhead model of issue 12: the model costs almost nothing, the server everything else.
+TINY_LLAMA = {
+    "hidden_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+}
+# --tiny's load, where not given on the command line.
+TINY_DEFAULTS = {
+    "servers": "ours-cpu,vllm",
+    "concurrency": 64,
+    "requests": 128,
+    "prompt_tokens": 60,
+    "output_tokens": 128,
+    "batch": 64,
+    "n_positions": 512,
+}
+DEFAULTS = {
+    "servers": "ours-vllm,vllm,ours-cpu",
+    "concurrency": 8,
+    "requests": 64,
+    "prompt_tokens": 128,
+    "output_tokens": 64,
+    "batch": 8,
+    "n_positions": 1024,
+}
+ENGINE_GAUGES = ("neuron_lmi_engine_host_ms_per_full_step", "neuron_lmi_engine_host_cpu_ms_per_full_step",
+                 "neuron_lmi_engine_model_ms_per_full_step", "neuron_lmi_engine_host_ms_per_step",
+                 "neuron_lmi_engine_decode_batch")  # fmt: skip
 VLLM_CPU_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -155,6 +192,31 @@ def bench_once(url: str, args: argparse.Namespace, out: Path, requests: int) -> 
     return json.loads(out.read_text())["levels"][0]
 
 
+def build_tiny_model(python: str, out: Path) -> Path:
+    """The tiny Llama, written by ``python`` (the main .venv: it has the GGUF tokenizer converter)."""
+    code = (
+        "import json, sys\n"
+        "from neuron_lmi.testing.checkpoints import make_tiny_checkpoint\n"
+        "make_tiny_checkpoint(sys.argv[1], **json.loads(sys.argv[2]))\n"
+    )
+    subprocess.run([python, "-c", code, str(out), json.dumps(TINY_LLAMA)], check=True, cwd=ROOT)
+    return out
+
+
+def engine_gauges(url: str) -> dict[str, float]:
+    """Our engine's own per-step gauges from /metrics (empty for a server without them)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ENGINE_GAUGES:
+            out[name.removeprefix("neuron_lmi_engine_")] = float(value)
+    return out
+
+
 def start_server(name: str, args: argparse.Namespace, model_dir: Path, work: Path) -> tuple:
     """Start one server, wait until it is ready, warm it up; returns (process, url, start-up seconds)."""
     port = free_port()
@@ -196,10 +258,13 @@ def measure(names: list[str], servers: dict, args: argparse.Namespace, work: Pat
             _, url, startup_s = servers[name]
             result = bench_once(url, args, work / f"{name}-{round_no}.json", args.requests)
             result["startup_s"] = startup_s
+            result["engine"] = engine_gauges(url) if name.startswith("ours") else {}
             results[name].append(result)
+            host = result["engine"].get("host_ms_per_full_step")
             print(
                 f"[{name} round {round_no}] {result['output_tokens_per_s']:.1f} tok/s, "
-                f"TTFT p50 {result['ttft_p50_ms']:.0f} ms, errors {result['errors']}",
+                f"TTFT p50 {result['ttft_p50_ms']:.0f} ms, errors {result['errors']}"
+                + (f", host {host:.1f} ms per full-batch step" if host is not None else ""),
                 file=sys.stderr,
                 flush=True,
             )
@@ -217,6 +282,9 @@ def summarize(results: dict[str, list[dict]]) -> dict:
         }
         out[name]["errors"] = sum(r["errors"] for r in results[name])
         out[name]["rounds_tokens_per_s"] = [round(r["output_tokens_per_s"], 1) for r in results[name]]
+        gauges = [r.get("engine") or {} for r in results[name]]
+        for key in sorted({k for g in gauges for k in g}):
+            out[name][key] = statistics.median(g[key] for g in gauges if key in g)
     if "vllm" in results:
         base = out["vllm"]
         for name in (n for n in results if n != "vllm"):
@@ -232,31 +300,38 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--servers", default="ours-vllm,vllm,ours-cpu", help="which servers, in order")
+    parser.add_argument("--tiny", action="store_true", help="serving overhead: the tiny Llama, 64 streams")
+    parser.add_argument("--servers", help=f"which servers, in order (default {DEFAULTS['servers']})")
     parser.add_argument("--rounds", type=int, default=3, help="measurements per server, order alternating")
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8, help="max rolling batch = vLLM max_num_seqs")
-    parser.add_argument("--n-positions", type=int, default=1024, help="= vLLM max_model_len")
+    parser.add_argument("--concurrency", type=int)
+    parser.add_argument("--requests", type=int)
+    parser.add_argument("--prompt-tokens", type=int)
+    parser.add_argument("--output-tokens", type=int)
+    parser.add_argument("--batch", type=int, help="max rolling batch = vLLM max_num_seqs")
+    parser.add_argument("--n-positions", type=int, help="= vLLM max_model_len")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--cpu-python", default=str(ROOT / ".venv" / "bin" / "python"))
     parser.add_argument("--cpu-model", help="what the CPU engine serves (default: the same safetensors)")
     parser.add_argument("--out", type=Path, help="write every run and the summary as JSON")
     args = parser.parse_args()
+    for key, value in (TINY_DEFAULTS if args.tiny else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if not Path(args.cpu_python).exists():
         args.cpu_python = sys.executable
 
-    from gpu_fallback.convert import ensure_safetensors_dir
-    from neuron_lmi.models.builtin import smollm2_gguf_path
-
-    model_dir = ensure_safetensors_dir(smollm2_gguf_path())
-    args.cpu_model = args.cpu_model or str(model_dir)
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
     servers: dict[str, tuple] = {}
     with tempfile.TemporaryDirectory(prefix="vllm_compare.") as tmp:
+        if args.tiny:
+            model_dir = build_tiny_model(args.cpu_python, Path(tmp) / "tiny-llama")
+        else:
+            from gpu_fallback.convert import ensure_safetensors_dir
+            from neuron_lmi.models.builtin import smollm2_gguf_path
+
+            model_dir = ensure_safetensors_dir(smollm2_gguf_path())
+        args.cpu_model = args.cpu_model or str(model_dir)
         try:
             for name in names:  # one at a time: start-up compiles, and must not slow the others
                 servers[name] = start_server(name, args, model_dir, Path(tmp))

@@ -13,6 +13,7 @@ This engine shares its process (and GIL) with the HTTP server; ``ProcessEngine``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -126,6 +127,8 @@ class AsyncEngine:
             log.exception("engine loop died")
             self.failure = exc
             self._alive = False
+            with contextlib.suppress(Exception):
+                self._drain()  # submitted but not yet taken: they end with ABORT like the others
             for request_id in list(self.core.requests):
                 self.core.abort(request_id)
             self._flush()

@@ -28,6 +28,9 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from neuron_lmi.engine.detokenizer import NoText
+from neuron_lmi.engine.step_clock import StepClock, time_runner
+from neuron_lmi.engine.stops import StopMatcher
 from neuron_lmi.engine.types import InvalidRequestError, SamplingParams, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ ADD, ABORT, STOP = "add", "abort", "stop"
 READY, FAILED, OUT, DEAD = "ready", "failed", "out", "dead"
 
 IDLE_POLL_S = 0.05
+UNEXPECTED = "\0unexpected"  # the ``field`` of a refusal that was an engine error, not a bad request
 EVENT_FIELDS = tuple(f.name for f in dataclasses.fields(TokenEvent))
 event_tuple = operator.attrgetter(*EVENT_FIELDS)
 REQUEST_ID, TOKEN_ID, TEXT, FINISH = (
@@ -139,8 +143,6 @@ class EngineLoop:
     """
 
     def __init__(self, core: Any, conn: Connection) -> None:
-        from neuron_lmi.engine.step_clock import StepClock, time_runner
-
         self.core = core
         self.conn = conn
         self.clock = StepClock(time_runner(core))
@@ -163,8 +165,8 @@ class EngineLoop:
                     self._send()
                 if stepped:
                     self.clock.end()
-        except (EOFError, OSError):
-            raise
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            raise  # the API process went away
         except BaseException as exc:  # the loop dying must be loud: the API side turns unhealthy
             log.exception("engine loop died")
             for request_id in list(self.core.requests):
@@ -177,9 +179,6 @@ class EngineLoop:
 
     def _drain(self) -> bool:
         """Apply every message already waiting; False on STOP."""
-        from neuron_lmi.engine.detokenizer import NoText
-        from neuron_lmi.engine.stops import StopMatcher
-
         while self.conn.poll(0):
             message = self.conn.recv()
             kind = message[0]
@@ -192,6 +191,10 @@ class EngineLoop:
                     )
                 except InvalidRequestError as exc:
                     self.rejected.append((request_id, str(exc), exc.field))
+                    continue
+                except Exception as exc:  # one bad request must not take the engine down
+                    log.exception("request %s could not be built", request_id)
+                    self.rejected.append((request_id, f"{type(exc).__name__}: {exc}", UNEXPECTED))
                     continue
                 request.detokenizer = NoText()
                 request.stops = StopMatcher(())

@@ -174,7 +174,9 @@ class ProcessEngine:
         for request_id, message, field in rejected:
             live = self._live.pop(request_id, None)
             if live is not None:
-                batch.append((live.mailbox, InvalidRequestError(message, field)))
+                unexpected = field == wire.UNEXPECTED
+                error = RuntimeError(message) if unexpected else InvalidRequestError(message, field)
+                batch.append((live.mailbox, error))
         stopped: list[str] = []
         for fields in events:
             request_id = fields[wire.REQUEST_ID]

@@ -16,13 +16,16 @@ iterations whose batch had decodes; the step count and the last batch size say w
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 FORWARD_METHODS = ("prefill", "decode", "extend", "prompt_logits")
+CONSTANT_ATTRIBUTES = ("rows", "vocab_size", "n_positions", "supports_extend")
 DEFAULT_WINDOW = 256
+FULL_BATCH = 0.9  # a decode step with at least this share of the KV rows counts as a full batch
 
 
 class TimedRunner:
@@ -37,6 +40,9 @@ class TimedRunner:
         self.forward_s = 0.0
         self.forward_cpu_s = 0.0  # CPU time of the calling thread inside forward calls
         self.decoded_rows = 0
+        for name in CONSTANT_ATTRIBUTES:  # read per token by the core: no __getattr__ on the way
+            if hasattr(runner, name):
+                setattr(self, name, getattr(runner, name))
         for name in FORWARD_METHODS:
             method = getattr(runner, name, None)
             if method is not None:
@@ -72,20 +78,49 @@ def time_runner(core: Any) -> TimedRunner:
     return runner
 
 
+class _Window:
+    """Running sums of the last ``size`` samples (host s, model s, host CPU s, decoded rows)."""
+
+    def __init__(self, size: int) -> None:
+        self.samples: deque[tuple[float, float, float, int]] = deque()
+        self.size = size
+        self.sums = [0.0, 0.0, 0.0, 0.0]
+
+    def add(self, sample: tuple[float, float, float, int]) -> None:
+        if len(self.samples) == self.size:
+            old = self.samples.popleft()
+            for i in range(4):
+                self.sums[i] -= old[i]
+        self.samples.append(sample)
+        for i in range(4):
+            self.sums[i] += sample[i]
+
+    def means(self, suffix: str) -> dict[str, float]:
+        n = len(self.samples) or 1
+        host, model, host_cpu, rows = (v / n for v in self.sums)
+        return {
+            f"host_ms_per_{suffix}": 1000.0 * host,
+            f"host_cpu_ms_per_{suffix}": 1000.0 * host_cpu,
+            f"model_ms_per_{suffix}": 1000.0 * model,
+            f"decode_batch_{suffix}": rows,
+        }
+
+
 class StepClock:
     """Running means of host and model time per engine step that decoded.
 
-    Invariants: host + model time of an iteration is its wall time; means cover at most the last
-    ``window`` decode steps; ``steps`` counts all iterations that ran ``EngineCore.step``.
+    Two windows: every decode step (``*_per_step``) and the steps that decoded at least
+    ``FULL_BATCH`` of the KV rows (``*_per_full_step``: the figure to compare with a device's
+    decode step at the batch size it was compiled for). Host + model time of an iteration is its
+    wall time; ``steps`` counts all iterations that ran ``EngineCore.step``.
     """
 
     def __init__(self, runner: TimedRunner, window: int = DEFAULT_WINDOW) -> None:
         self.runner = runner
         self.steps = 0
-        self._window: deque[tuple[float, float, float, int]] = deque()
-        self._size = window
-        self._sums = [0.0, 0.0, 0.0, 0.0]  # host s, model s, host CPU s, decoded rows (window)
-        self._last_host = 0.0
+        self.full_rows = max(1, math.ceil(FULL_BATCH * runner.rows.n_rows))
+        self._all = _Window(window)
+        self._full = _Window(window)
         self._start = self._cpu = self._forward0 = self._forward_cpu0 = 0.0
         self._rows0 = 0
 
@@ -103,27 +138,15 @@ class StepClock:
         rows = self.runner.decoded_rows - self._rows0
         self.steps += 1
         if rows:
-            self._add((max(wall - model, 0.0), model, max(cpu - model_cpu, 0.0), rows))
-
-    def _add(self, sample: tuple[float, float, float, int]) -> None:
-        if len(self._window) == self._size:
-            old = self._window.popleft()
-            for i in range(4):
-                self._sums[i] -= old[i]
-        self._window.append(sample)
-        for i in range(4):
-            self._sums[i] += sample[i]
-        self._last_host = sample[0]
+            sample = (max(wall - model, 0.0), model, max(cpu - model_cpu, 0.0), rows)
+            self._all.add(sample)
+            if rows >= self.full_rows:
+                self._full.add(sample)
 
     def snapshot(self) -> dict[str, float]:
-        """``EngineStats.extra`` entries (milliseconds; zero before the first decode step)."""
-        n = len(self._window)
-        host, model, host_cpu, rows = self._sums
-        return {
-            "steps": float(self.steps),
-            "host_ms_per_step": 1000.0 * host / n if n else 0.0,
-            "host_cpu_ms_per_step": 1000.0 * host_cpu / n if n else 0.0,
-            "model_ms_per_step": 1000.0 * model / n if n else 0.0,
-            "decode_batch": rows / n if n else 0.0,
-            "host_ms_per_step_last": 1000.0 * self._last_host,
-        }
+        """``EngineStats.extra`` entries (milliseconds; zero before the first such step)."""
+        means = self._all.means("step")
+        means["decode_batch"] = means.pop("decode_batch_step")
+        full = self._full.means("full_step")
+        full.pop("decode_batch_full_step")
+        return {"steps": float(self.steps), **means, **full}

@@ -25,25 +25,30 @@ STAT_GAUGES: dict[str, tuple[str, str]] = {
     "neuron_lmi_kv_positions_used": ("KV positions holding tokens across all rows", "positions_used"),
 }
 # Gauges read from EngineStats.extra (what an engine measures itself; absent keys are skipped).
+# Means over the last 256 decode steps; "full" steps decoded at least 90% of the KV rows.
 EXTRA_GAUGES: dict[str, tuple[str, str]] = {
     "neuron_lmi_engine_steps": ("engine steps run since start", "steps"),
     "neuron_lmi_engine_host_ms_per_step": (
-        "host time per decode step beside the model's forward (scheduling, sampling, events), "
-        "mean over the last 256 decode steps",
+        "wall time per decode step beside the model's forward (scheduling, sampling, events)",
         "host_ms_per_step",
     ),
     "neuron_lmi_engine_host_cpu_ms_per_step": (
-        "CPU time of the engine loop's thread per decode step beside the model's forward, "
-        "mean over the last 256 decode steps",
+        "CPU time of the engine loop per decode step beside the model's forward",
         "host_cpu_ms_per_step",
     ),
-    "neuron_lmi_engine_model_ms_per_step": (
-        "model forward time per decode step, mean over the last 256 decode steps",
-        "model_ms_per_step",
+    "neuron_lmi_engine_model_ms_per_step": ("model forward time per decode step", "model_ms_per_step"),
+    "neuron_lmi_engine_decode_batch": ("rows decoded per decode step", "decode_batch"),
+    "neuron_lmi_engine_host_ms_per_full_step": (
+        "wall time per full-batch decode step beside the model's forward",
+        "host_ms_per_full_step",
     ),
-    "neuron_lmi_engine_decode_batch": (
-        "rows decoded per step, mean over the last 256 decode steps",
-        "decode_batch",
+    "neuron_lmi_engine_host_cpu_ms_per_full_step": (
+        "CPU time of the engine loop per full-batch decode step beside the model's forward",
+        "host_cpu_ms_per_full_step",
+    ),
+    "neuron_lmi_engine_model_ms_per_full_step": (
+        "model forward time per full-batch decode step",
+        "model_ms_per_full_step",
     ),
 }
 

@@ -98,8 +98,12 @@ def test_draw_is_reproducible_per_row_whatever_the_batch() -> None:
     assert batched[1] == alone[0]
 
 
+class _Rows:
+    n_rows = 4
+
+
 class _Runner:
-    rows = "rows"
+    rows = _Rows()
 
     def decode(self, rows: list[int], tokens: list[int]) -> str:
         return "logits"
@@ -107,7 +111,7 @@ class _Runner:
 
 def test_step_clock_splits_host_from_model_time() -> None:
     runner = TimedRunner(_Runner())
-    assert runner.rows == "rows" and not hasattr(runner, "extend")  # capabilities are the runner's
+    assert runner.rows.n_rows == 4 and not hasattr(runner, "extend")  # capabilities are the runner's
     clock = StepClock(runner, window=2)
     for _ in range(3):
         clock.begin()
@@ -118,6 +122,7 @@ def test_step_clock_splits_host_from_model_time() -> None:
     snap = clock.snapshot()
     assert snap["steps"] == 4 and snap["decode_batch"] == 3
     assert snap["host_ms_per_step"] >= 0 and snap["model_ms_per_step"] >= 0
+    assert snap["host_ms_per_full_step"] == 0  # 3 of 4 rows is not a full batch (90%)
 
 
 def test_text_stream_holds_a_possible_stop_and_cuts_a_real_one(tokenizer: Any) -> None:

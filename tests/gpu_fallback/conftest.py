@@ -148,7 +148,8 @@ def vllm_server(vllm_env, smollm2_safetensors: Path, tmp_path_factory: pytest.Te
     server = server_conftest.start_server(
         smollm2_safetensors,
         tmp,
-        ["--backend", "vllm", "--max-rolling-batch-size", "8", "--n-positions", "256"],
+        # fp32 like the transformers reference: vLLM's "auto" picks bf16 on CPUs with native bf16.
+        ["--backend", "vllm", "--max-rolling-batch-size", "8", "--n-positions", "256", "--dtype", "fp32"],
         # vLLM's prefix caching is on by default (as in its server); a cached prefix changes CPU numerics
         # slightly, and this suite compares greedy ids with transformers token for token.
         env={**vllm_env, "OPTION_ENABLE_PREFIX_CACHING": "false"},
