@@ -48,6 +48,7 @@ from neuron_lmi.engine.types import (
 log = logging.getLogger(__name__)
 
 STOP_JOIN_S = 5.0
+MALLOC_HEAP_BYTES = 256 * 2**20
 
 
 @dataclass(slots=True)
@@ -301,13 +302,21 @@ def _abort_event(request_id: str, live: _Live) -> TokenEvent:
 
 
 def engine_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """The engine process's environment: ours, with OpenMP threads that sleep when idle unless the
-    user chose otherwise. Spinning OpenMP workers (libgomp's default) keep a core busy between
-    kernels; next to an API process on the same cores that spin preempts the engine itself (a
-    decode step measured 5-10x slower on 2 shared cores)."""
+    """The engine process's environment: ours, with two defaults for a loop that allocates the same
+    large tensors every step (each unless the user set it):
+
+    - OpenMP workers that sleep when idle: spinning ones (libgomp's default) keep a core busy between
+      kernels, and next to an API process on few cores that spin preempts the engine itself (a
+      decode step measured 5-10x slower on 2 shared cores).
+    - glibc keeping freed memory up to ``MALLOC_HEAP_BYTES`` in its heap: by default every
+      ``[batch, vocab]`` tensor (12 MiB at batch 64) is a fresh mmap whose pages fault in and are
+      zeroed again on every step, which doubled the sampler's host time.
+    """
     out = dict(env)
     if "OMP_WAIT_POLICY" not in out and "GOMP_SPINCOUNT" not in out:
         out["OMP_WAIT_POLICY"] = "PASSIVE"
+    if not any(key in out for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
+        out["MALLOC_MMAP_THRESHOLD_"] = out["MALLOC_TRIM_THRESHOLD_"] = str(MALLOC_HEAP_BYTES)
     return out
 
 
