@@ -72,6 +72,7 @@ DEFAULTS = {
 ENGINE_GAUGES = ("neuron_lmi_engine_host_ms_per_full_step", "neuron_lmi_engine_host_cpu_ms_per_full_step",
                  "neuron_lmi_engine_model_ms_per_full_step", "neuron_lmi_engine_host_ms_per_step",
                  "neuron_lmi_engine_decode_batch")  # fmt: skip
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # our --dtype names -> vLLM's
 VLLM_CPU_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -116,7 +117,7 @@ def server_command(name: str, args: argparse.Namespace, model_dir: Path, port: i
             "--port",
             str(port),
             "--dtype",
-            "fp32",
+            args.dtype,
             *common,
         ], "/ping"
     if name == "ours-cpu":
@@ -132,7 +133,7 @@ def server_command(name: str, args: argparse.Namespace, model_dir: Path, port: i
             "--port",
             str(port),
             "--dtype",
-            "fp32",
+            args.dtype,
             *common,
         ], "/ping"
     if name == "vllm":
@@ -153,14 +154,14 @@ def server_command(name: str, args: argparse.Namespace, model_dir: Path, port: i
             "--max-model-len",
             str(args.n_positions),
             "--dtype",
-            "float32",
+            VLLM_DTYPES[args.dtype],
             "--seed",
             "0",
         ], "/health"
     raise ValueError(f"unknown server {name!r}")
 
 
-def bench_once(url: str, args: argparse.Namespace, out: Path, requests: int) -> dict:
+def bench_once(url: str, args: argparse.Namespace, out: Path, requests: int, concurrency: int) -> dict:
     cmd = [
         args.cpu_python if Path(args.cpu_python).exists() else sys.executable,
         "-m",
@@ -173,7 +174,7 @@ def bench_once(url: str, args: argparse.Namespace, out: Path, requests: int) -> 
         "--openai-endpoint",
         "completions",
         "--concurrency",
-        str(args.concurrency),
+        str(concurrency),
         "--requests",
         str(requests),
         "--prompt-tokens",
@@ -230,7 +231,7 @@ def start_server(name: str, args: argparse.Namespace, model_dir: Path, work: Pat
     try:
         wait_ready(proc, url, ready, log, args.startup_timeout)
         startup_s = time.monotonic() - started
-        bench_once(url, args, work / f"{name}-warmup.json", max(2, args.concurrency))
+        bench_once(url, args, work / f"{name}-warmup.json", max(2, args.levels[0][0]), args.levels[0][0])
     except BaseException:
         stop_server(proc)
         raise
@@ -250,24 +251,27 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 def measure(names: list[str], servers: dict, args: argparse.Namespace, work: Path) -> dict[str, list[dict]]:
     """All servers stay up (idle ones use no CPU); rounds alternate their order so that drift in the
-    host's background load falls on every server alike."""
-    results: dict[str, list[dict]] = {n: [] for n in names}
+    host's background load falls on every server alike. Results are keyed ``name@concurrency``."""
+    results: dict[str, list[dict]] = {f"{n}@{c}": [] for c, _ in args.levels for n in names}
     for round_no in range(args.rounds):
         order = names if round_no % 2 == 0 else names[::-1]
-        for name in order:
-            _, url, startup_s = servers[name]
-            result = bench_once(url, args, work / f"{name}-{round_no}.json", args.requests)
-            result["startup_s"] = startup_s
-            result["engine"] = engine_gauges(url) if name.startswith("ours") else {}
-            results[name].append(result)
-            host = result["engine"].get("host_ms_per_full_step")
-            print(
-                f"[{name} round {round_no}] {result['output_tokens_per_s']:.1f} tok/s, "
-                f"TTFT p50 {result['ttft_p50_ms']:.0f} ms, errors {result['errors']}"
-                + (f", host {host:.1f} ms per full-batch step" if host is not None else ""),
-                file=sys.stderr,
-                flush=True,
-            )
+        for concurrency, requests in args.levels:
+            for name in order:
+                key = f"{name}@{concurrency}"
+                _, url, startup_s = servers[name]
+                result = bench_once(url, args, work / f"{key}-{round_no}.json", requests, concurrency)
+                result["startup_s"] = startup_s
+                result["engine"] = engine_gauges(url) if name.startswith("ours") else {}
+                results[key].append(result)
+                host = result["engine"].get("host_ms_per_full_step")
+                print(
+                    f"[{key} round {round_no}] {result['output_tokens_per_s']:.1f} tok/s, "
+                    f"TTFT p50 {result['ttft_p50_ms']:.0f} ms, ITL p50/p99 {result['itl_p50_ms']:.0f}/"
+                    f"{result['itl_p99_ms']:.0f} ms, errors {result['errors']}"
+                    + (f", host {host:.1f} ms per full-batch step" if host is not None else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
     return results
 
 
@@ -278,20 +282,22 @@ def summarize(results: dict[str, list[dict]]) -> dict:
     out: dict = {}
     for name in results:
         out[name] = {
-            k: mean(name, k) for k in ("output_tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms")
+            k: mean(name, k)
+            for k in ("output_tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms")
         }
         out[name]["errors"] = sum(r["errors"] for r in results[name])
         out[name]["rounds_tokens_per_s"] = [round(r["output_tokens_per_s"], 1) for r in results[name]]
         gauges = [r.get("engine") or {} for r in results[name]]
         for key in sorted({k for g in gauges for k in g}):
             out[name][key] = statistics.median(g[key] for g in gauges if key in g)
-    if "vllm" in results:
-        base = out["vllm"]
-        for name in (n for n in results if n != "vllm"):
+    for name in results:
+        server, _, level = name.partition("@")
+        base = f"vllm@{level}"
+        if server != "vllm" and base in results:
             out[f"{name}/vllm"] = {
-                "throughput_ratio": out[name]["output_tokens_per_s"] / base["output_tokens_per_s"],
+                "throughput_ratio": out[name]["output_tokens_per_s"] / out[base]["output_tokens_per_s"],
                 # > 1 means slower first token than vLLM's own server.
-                "ttft_ratio": out[name]["ttft_p50_ms"] / base["ttft_p50_ms"],
+                "ttft_ratio": out[name]["ttft_p50_ms"] / out[base]["ttft_p50_ms"],
             }
     return out
 
@@ -303,12 +309,13 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="serving overhead: the tiny Llama, 64 streams")
     parser.add_argument("--servers", help=f"which servers, in order (default {DEFAULTS['servers']})")
     parser.add_argument("--rounds", type=int, default=3, help="measurements per server, order alternating")
-    parser.add_argument("--concurrency", type=int)
-    parser.add_argument("--requests", type=int)
+    parser.add_argument("--concurrency", help="one level, or several comma-separated (32,1)")
+    parser.add_argument("--requests", help="requests per round, one per concurrency level")
     parser.add_argument("--prompt-tokens", type=int)
     parser.add_argument("--output-tokens", type=int)
     parser.add_argument("--batch", type=int, help="max rolling batch = vLLM max_num_seqs")
     parser.add_argument("--n-positions", type=int, help="= vLLM max_model_len")
+    parser.add_argument("--dtype", choices=sorted(VLLM_DTYPES), default="fp32", help="every server's dtype")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--cpu-python", default=str(ROOT / ".venv" / "bin" / "python"))
@@ -320,6 +327,13 @@ def main() -> int:
             setattr(args, key, value)
     if not Path(args.cpu_python).exists():
         args.cpu_python = sys.executable
+    levels = [int(c) for c in str(args.concurrency).split(",")]
+    requests = [int(r) for r in str(args.requests).split(",")]
+    if len(requests) == 1:
+        requests *= len(levels)
+    if len(requests) != len(levels):
+        parser.error("--requests: give one count, or one per --concurrency level")
+    args.levels = list(zip(levels, requests, strict=True))
 
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
     servers: dict[str, tuple] = {}

@@ -158,15 +158,21 @@ def cuda_device_count(env: Mapping[str, str], nvidia_glob: str = "/dev/nvidia[0-
     return visible_gpu_count(physical, env.get("CUDA_VISIBLE_DEVICES")), how
 
 
+def installed_version(distribution: str) -> str | None:
+    """``distribution``'s installed version, read from its metadata (nothing is imported); None
+    where it is not installed. Compile-cache keys and the start-up log read versions through this."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _library_version(library: Library) -> str | None:
     """The installed version when ``library`` imports, else None (an import error propagates)."""
     if importlib.util.find_spec(library.module) is None:
         return None
     importlib.import_module(library.module)
-    try:
-        return metadata.version(library.distribution)
-    except metadata.PackageNotFoundError:
-        return "unknown version"
+    return installed_version(library.distribution) or "unknown version"
 
 
 def _cores_per_device(sysfs_root: str) -> int:
@@ -179,10 +185,7 @@ def _cores_per_device(sysfs_root: str) -> int:
 def _vllm_platform(requested: str, gpus: int) -> str | None:
     """vLLM's platform, judged as its own detection does (NVML count, a "cpu" build) without
     importing vLLM; only a forced vLLM on a GPU-less host imports it, to read a CPU build's platform."""
-    try:
-        version = metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        version = ""
+    version = installed_version("vllm") or ""
     if "cpu" in version:
         return "cpu"
     if gpus > 0:

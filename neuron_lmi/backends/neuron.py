@@ -45,14 +45,13 @@ from neuron_lmi.backends.neuron_args import (
     build_neuron_config,
     map_compile_spec,
 )
+from neuron_lmi.backends.row_batch import check_prompts, token_batch
 
 if TYPE_CHECKING:
     from compile_cache import CompileCache
     from neuron_lmi.config.options import ServingConfig
 
 log = logging.getLogger(__name__)
-
-PAD_TOKEN_ID = 0  # right padding; never attended (positions past a row's length are masked)
 
 
 class SamplingModel(Protocol):
@@ -92,16 +91,7 @@ class NeuronRunner:
         self.max_context = max(context_buckets)
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        if len(rows) != len(prompts):
-            raise ValueError("prefill: rows and prompts differ in length")
-        for row, prompt in zip(rows, prompts, strict=True):
-            self.rows.check_in_use(row)
-            if not prompt:
-                raise ValueError(f"prefill: prompt for row {row} is empty")
-            if len(prompt) > self.n_positions:
-                raise ValueError(
-                    f"prefill: prompt of {len(prompt)} tokens exceeds n_positions={self.n_positions}"
-                )
+        check_prompts(self.rows, rows, prompts, self.n_positions)
         logits = torch.empty(len(rows), self.vocab_size)
         single = []
         for i, (row, prompt) in enumerate(zip(rows, prompts, strict=True)):
@@ -123,8 +113,6 @@ class NeuronRunner:
         return logits
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
-        if len(rows) != len(tokens):
-            raise ValueError("decode: rows and tokens differ in length")
         return self._token_step(list(rows), list(tokens))
 
     def _context(self, row: int, prompt: list[int]) -> torch.Tensor:
@@ -136,29 +124,11 @@ class NeuronRunner:
         return self._check_logits(out, 1)
 
     def _token_step(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
-        """One token for each of ``rows`` at its next position; in-use rows not asked for ride along.
-
-        The call lists seq_ids in ascending order: releases that return the whole batch ungathered
-        when every row is named then agree with those that gather by seq_id.
-        """
-        positions = self.rows.reserve_next(rows)
-        asked = set(rows)
-        passengers = [
-            r for r in self.rows.in_use() if r not in asked and self.rows.length(r) < self.n_positions
-        ]
-        seq_ids = rows + passengers
-        all_tokens = tokens + [PAD_TOKEN_ID] * len(passengers)
-        all_positions = positions + [self.rows.length(r) for r in passengers]
-        order = sorted(range(len(seq_ids)), key=seq_ids.__getitem__)
-        out = self.model.forward(
-            torch.tensor([all_tokens[i] for i in order], dtype=torch.long)[:, None],
-            torch.tensor([all_positions[i] for i in order], dtype=torch.long)[:, None],
-            torch.tensor([seq_ids[i] for i in order], dtype=torch.long),
-        )
-        logits = self._check_logits(out, len(seq_ids))
-        unsorted = torch.empty_like(logits)
-        unsorted[torch.tensor(order)] = logits
-        return unsorted[: len(rows)]
+        """One token for each of ``rows`` at its next position (``row_batch.token_batch``: every
+        other live row rides along, lines in ascending seq_id order)."""
+        batch = token_batch(self.rows, rows, tokens, self.n_positions)
+        out = self.model.forward(batch.tokens[:, None], batch.positions[:, None], batch.seq_ids)
+        return batch.restore(self._check_logits(out, len(batch.order)))
 
     def _check_logits(self, out: torch.Tensor, n: int) -> torch.Tensor:
         if out.dim() != 2 or out.shape[0] != n or out.shape[1] < self.vocab_size:

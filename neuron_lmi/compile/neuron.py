@@ -25,11 +25,11 @@ import json
 import os
 import shlex
 from collections.abc import Iterator, Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from compile_cache import CacheKeyInputs, CompileCache, is_writable_dir
+from neuron_lmi.backends.host import installed_version
 from neuron_lmi.backends.neuron_args import (
     MappedNeuronArgs,
     NeuronCompileSpec,
@@ -88,19 +88,13 @@ def neuron_key_inputs(
     """The cache key for a Neuron compile. ``version`` defaults to the installed neuronx-cc's (and
     must be given where it is not installed); ``library_version`` to transformers-neuronx's, or
     ``not-installed``."""
+    version = version or installed_version(COMPILER)
     if version is None:
-        try:
-            version = metadata.version(COMPILER)
-        except metadata.PackageNotFoundError as exc:
-            raise RuntimeError(
-                f"{COMPILER} is not installed here, so the Neuron compiler version is unknown; "
-                "compile on a Neuron host (inf2/trn1) with the Neuron SDK installed"
-            ) from exc
-    if library_version is None:
-        try:
-            library_version = metadata.version(LIBRARY)
-        except metadata.PackageNotFoundError:
-            library_version = NOT_INSTALLED
+        raise RuntimeError(
+            f"{COMPILER} is not installed here, so the Neuron compiler version is unknown; "
+            "compile on a Neuron host (inf2/trn1) with the Neuron SDK installed"
+        )
+    library_version = library_version or installed_version(LIBRARY) or NOT_INSTALLED
     return CacheKeyInputs(
         architecture=architecture,
         target="neuron",

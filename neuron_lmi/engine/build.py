@@ -71,6 +71,8 @@ class CpuEngineOptions:
     # option.quantize: weight-only int8/int4 (neuron_lmi.models.quantize); int4 on a GGUF file runs
     # its Q4_0/Q4_1 codes as they are (Q8_0 ones as int8 per row) instead of expanding them.
     quantize: str | None = None
+    # bf16 matmul weights pre-packed for oneDNN (neuron_lmi.models.packed); dense weights only.
+    pack_weights: bool = True
 
     def dtype_name(self) -> str:
         """``dtype`` with ``auto`` resolved for this host; the name the compile cache keys on."""
@@ -146,6 +148,7 @@ def _load_model(options: CpuEngineOptions, path: Path) -> tuple[Any, Any, int]:
     then quantized (tensor parallelism splits dense weights, so it comes first)."""
     from neuron_lmi.models import build_model
     from neuron_lmi.models.loader import load_checkpoint
+    from neuron_lmi.models.packed import pack_model
     from neuron_lmi.models.quantize import quantize_model
 
     dtype = options.torch_dtype()
@@ -169,4 +172,7 @@ def _load_model(options: CpuEngineOptions, path: Path) -> tuple[Any, Any, int]:
         )
     if options.quantize is not None:
         quantize_model(model, options.quantize)
+    # The compiled runner traces the plain model; packing is for the eager runner.
+    if options.pack_weights and not (options.compiled or options.compiled_graph_path):
+        pack_model(model)
     return ckpt, model, n_positions

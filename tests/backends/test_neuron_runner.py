@@ -22,21 +22,15 @@ from neuron_lmi.backends.neuron import NeuronRunner, build_neuron_runner, compil
 from neuron_lmi.config import load_config
 from neuron_lmi.engine.build import eos_ids_for
 from neuron_lmi.engine.core import EngineCore
-from neuron_lmi.engine.types import SamplingParams
 from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint, load_tokenizer
 from neuron_lmi.parallel.tp_model import apply_tensor_parallel
 from neuron_lmi.runners.cpu import CpuRunner
+from tests.backends.conftest import run_schedule
 
 N_ROWS, N_POSITIONS = 4, 64
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: extra threads only contend on a loaded box
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -69,35 +63,17 @@ def write_properties(folder: Path, model_dir: Path, **extra: str) -> Path:
 SCHEDULE = [(0, 5, 6), (0, 20, 4), (2, 1, 5), (3, 9, 8), (3, 3, 3)]
 
 
-def run_engine(core: EngineCore) -> dict[str, list[int]]:
-    generator = torch.Generator().manual_seed(0)
-    outputs: dict[str, list[int]] = {}
-    step = 0
-    while step == 0 or core.has_work():
-        for i, (at, length, new) in enumerate(SCHEDULE):
-            if at == step:
-                prompt = torch.randint(3, 49000, (length,), generator=generator).tolist()
-                request = core.make_request(
-                    prompt, SamplingParams(max_new_tokens=new, ignore_eos=True), request_id=f"r{i}"
-                )
-                outputs[request.request_id] = request.output_ids
-                core.add(request)
-        core.step()
-        step += 1
-    return outputs
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_neuron_runner_on_the_contract_matches_the_cpu_engine(tiny, tiny_llama_dir, tmp_path, tp) -> None:
     model, tokenizer, config = tiny
     eos = eos_ids_for(config, tokenizer)
-    expected = run_engine(EngineCore(CpuRunner(model, N_ROWS, N_POSITIONS), tokenizer, eos))
+    expected = run_schedule(EngineCore(CpuRunner(model, N_ROWS, N_POSITIONS), tokenizer, eos), SCHEDULE)
 
     device_model = apply_tensor_parallel(model, tp, batch_size=N_ROWS) if tp > 1 else model
     contract = ContractModel(device_model, N_ROWS, N_POSITIONS, context_length_estimate=(8, 16))
     resolved = load_config(properties_path=write_properties(tmp_path, tiny_llama_dir))
     runner = build_neuron_runner(resolved.config, str(tiny_llama_dir), cache=None, model=contract)
-    got = run_engine(EngineCore(runner, tokenizer, eos))
+    got = run_schedule(EngineCore(runner, tokenizer, eos), SCHEDULE)
 
     assert got == expected
     assert all(len(got[f"r{i}"]) == new for i, (_, _, new) in enumerate(SCHEDULE))

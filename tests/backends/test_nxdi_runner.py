@@ -19,24 +19,18 @@ from neuron_lmi.backends.nxdi.runner import NxdiRunner, build_nxdi_runner
 from neuron_lmi.config import load_config
 from neuron_lmi.engine.build import eos_ids_for
 from neuron_lmi.engine.core import EngineCore
-from neuron_lmi.engine.types import SamplingParams
 from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint, load_tokenizer
 from neuron_lmi.runners.cpu import CpuRunner
 from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
+from tests.backends.conftest import run_schedule
 
 N_ROWS, N_POSITIONS = 4, 64
 # (step the request joins at, prompt length, max_new_tokens): five requests share four rows, a 1-token
 # prompt is a context encoding at position 0, a 20-token prompt is longer than the estimate (16).
 SCHEDULE = [(0, 5, 6), (0, 20, 7), (2, 1, 5), (3, 9, 9), (3, 3, 3), (6, 12, 5)]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "mixtral"])
@@ -52,24 +46,6 @@ def load(folder: Path) -> tuple[Any, Any, list[int]]:
     return model, tokenizer, eos_ids_for(ckpt.config, tokenizer)
 
 
-def run_engine(core: EngineCore) -> dict[str, list[int]]:
-    generator = torch.Generator().manual_seed(0)
-    outputs: dict[str, list[int]] = {}
-    step = 0
-    while step == 0 or core.has_work() or any(at >= step for at, _, _ in SCHEDULE):
-        for i, (at, length, new) in enumerate(SCHEDULE):
-            if at == step:
-                prompt = torch.randint(3, 49000, (length,), generator=generator).tolist()
-                request = core.make_request(
-                    prompt, SamplingParams(max_new_tokens=new, ignore_eos=True), request_id=f"r{i}"
-                )
-                outputs[request.request_id] = request.output_ids
-                core.add(request)
-        core.step()
-        step += 1
-    return outputs
-
-
 def properties(folder: Path, model_dir: Path) -> Path:
     path = folder / "serving.properties"
     path.write_text(
@@ -83,12 +59,12 @@ def properties(folder: Path, model_dir: Path) -> Path:
 
 def test_nxdi_runner_on_the_contract_matches_the_cpu_engine(checkpoint: Path, tmp_path: Path) -> None:
     model, tokenizer, eos = load(checkpoint)
-    expected = run_engine(EngineCore(CpuRunner(model, N_ROWS, N_POSITIONS), tokenizer, eos))
+    expected = run_schedule(EngineCore(CpuRunner(model, N_ROWS, N_POSITIONS), tokenizer, eos), SCHEDULE)
 
     contract = NxdiContractModel(model, N_ROWS, N_POSITIONS, context_length_estimate=(8, 16))
     resolved = load_config(properties_path=properties(tmp_path, checkpoint), env={})
     runner = build_nxdi_runner(resolved.config, str(checkpoint), cache=None, model=contract)
-    got = run_engine(EngineCore(runner, tokenizer, eos))
+    got = run_schedule(EngineCore(runner, tokenizer, eos), SCHEDULE)
 
     assert got == expected
     assert all(len(got[f"r{i}"]) == new for i, (_, _, new) in enumerate(SCHEDULE))

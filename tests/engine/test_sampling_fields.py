@@ -233,3 +233,35 @@ def test_grammar_reads_byte_level_tokens_as_bytes(tiny_tokenizer) -> None:
     state = compiler.state(GrammarSpec.regex(r"no, [0-9]{3} ünï 日本"))
     assert all(state.accept(t) for t in tiny_tokenizer.encode("no, 123 ünï 日本"))
     assert state.matcher.is_accepting()
+
+
+def _sorted_reference(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """top_k then top_p over the whole vocabulary sorted (what the candidate path must reproduce)."""
+    vocab = logits.shape[-1]
+    kept = torch.full_like(logits, float("-inf"))
+    for r in range(logits.shape[0]):
+        k = int(top_k[r]) if 0 < int(top_k[r]) < vocab else vocab
+        if k == vocab and float(top_p[r]) >= 1.0:
+            kept[r] = logits[r]
+            continue
+        values, order = torch.sort(logits[r], descending=True)
+        probs = torch.softmax(values[:k], dim=-1)
+        n = int(((probs.cumsum(-1) - probs) < float(top_p[r])).sum().clamp(min=1))
+        kept[r, order[:n]] = values[:n]
+    return kept
+
+
+def test_top_k_top_p_on_candidates_match_a_full_sort() -> None:
+    """Random batches mixing top_k, top_p, both and neither, flat and peaked rows (a flat row's
+    top_p mass lies past the candidates: the whole vocabulary is sorted then)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        b, vocab = int(torch.randint(1, 7, (1,), generator=g)), 3000
+        logits = torch.randn(b, vocab, generator=g) * float(torch.rand(1, generator=g) * 6)
+        logits[:, :20] += float(torch.rand(1, generator=g) * 10)  # some rows concentrate their mass
+        top_k = torch.randint(0, 3, (b,), generator=g) * torch.randint(1, 1500, (b,), generator=g)
+        top_p = torch.where(torch.rand(b, generator=g) < 0.6, torch.rand(b, generator=g), torch.ones(b))
+        got = filter_logits(logits, top_k, top_p, torch.zeros(b))
+        want = _sorted_reference(logits, top_k, top_p)
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+        assert torch.equal(got[torch.isfinite(got)], want[torch.isfinite(want)])

@@ -136,26 +136,35 @@ def hf_reference(smollm2_safetensors: Path) -> HFGreedyReference:
     return HFGreedyReference(smollm2_safetensors)
 
 
-@pytest.fixture(scope="session")
-def vllm_server(vllm_env, smollm2_safetensors: Path, tmp_path_factory: pytest.TempPathFactory):
-    """``neuron-lmi serve --backend vllm`` on SmolLM2, with the server suite's 8 rows and 256 positions."""
+def start_vllm_server(env: dict[str, str], model_dir: Path, tmp: Path, args: list[str]):
+    """``neuron-lmi serve --backend vllm`` on ``model_dir`` in fp32 (like the transformers reference:
+    vLLM's "auto" picks bf16 on CPUs with native bf16), with ``args`` added."""
     import sys
 
     import tests.server.conftest as server_conftest
 
     server_conftest.STARTUP_TIMEOUT_S = max(server_conftest.STARTUP_TIMEOUT_S, 900.0)  # vLLM compiles first
-    tmp = tmp_path_factory.mktemp("vllm_server")
-    server = server_conftest.start_server(
-        smollm2_safetensors,
+    return server_conftest.start_server(
+        model_dir,
         tmp,
-        # fp32 like the transformers reference: vLLM's "auto" picks bf16 on CPUs with native bf16.
-        ["--backend", "vllm", "--max-rolling-batch-size", "8", "--n-positions", "256", "--dtype", "fp32"],
+        ["--backend", "vllm", "--dtype", "fp32", *args],
         # vLLM's prefix caching is on by default (as in its server); a cached prefix changes CPU numerics
         # slightly, and this suite compares greedy ids with transformers token for token.
-        env={**vllm_env, "OPTION_ENABLE_PREFIX_CACHING": "false"},
+        env={**env, "OPTION_ENABLE_PREFIX_CACHING": "false"},
         command=[sys.executable, "-m", "gpu_fallback.serve"],
     )
-    yield server
+
+
+def stop_vllm_server(server) -> None:
     code = server.stop()
     if code != 0:
         print(server.log.read_text()[-3000:])
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_env, smollm2_safetensors: Path, tmp_path_factory: pytest.TempPathFactory):
+    """``neuron-lmi serve --backend vllm`` on SmolLM2, with the server suite's 8 rows and 256 positions."""
+    args = ["--max-rolling-batch-size", "8", "--n-positions", "256"]
+    server = start_vllm_server(vllm_env, smollm2_safetensors, tmp_path_factory.mktemp("vllm_server"), args)
+    yield server
+    stop_vllm_server(server)

@@ -8,16 +8,12 @@ import httpx
 import pytest
 from text_generation import Client
 
+from tests.server.clients import http  # noqa: F401 (fixtures)
 from tests.server.conftest import ServerProcess, direct_greedy
 
 PROMPT = "Deep learning on Inferentia"
 # text_generation 0.7 still calls pydantic's deprecated ``.dict()``; not our concern here.
 pytestmark = pytest.mark.filterwarnings("ignore:The `dict` method is deprecated")
-
-
-@pytest.fixture(scope="module")
-def http(tiny_server: ServerProcess) -> httpx.Client:
-    return tiny_server.client()
 
 
 def test_ping_health_info(tiny_server: ServerProcess, http: httpx.Client) -> None:

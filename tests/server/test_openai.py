@@ -6,19 +6,10 @@ import httpx
 import openai
 import pytest
 
+from tests.server.clients import client, model  # noqa: F401 (fixtures)
 from tests.server.conftest import API_KEY, ServerProcess, direct_greedy
 
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 def test_models_lists_the_served_model(client: openai.OpenAI, tiny_llama_dir) -> None:

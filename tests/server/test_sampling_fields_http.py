@@ -10,25 +10,10 @@ import openai
 import pytest
 import torch
 
+from tests.server.clients import client, http, model  # noqa: F401 (fixtures)
 from tests.server.conftest import API_KEY, ServerProcess, start_server
 
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
-def http(tiny_server: ServerProcess) -> httpx.Client:
-    with tiny_server.client(timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ import pytest
 from text_generation import Client
 from text_generation.types import Grammar, GrammarType
 
-from tests.server.conftest import API_KEY, ServerProcess
+from tests.server.clients import client, http, model  # noqa: F401 (fixtures)
+from tests.server.conftest import ServerProcess
 
 SHORT = {"type": "string", "maxLength": 8}
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -63,22 +64,6 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "additionalProperties": False,
     },
 }
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
-def http(tiny_server: ServerProcess) -> httpx.Client:
-    with tiny_server.client(timeout=120) as c:
-        yield c
 
 
 def assert_valid(text: str, finish_reason: str, schema: dict[str, Any]) -> None:

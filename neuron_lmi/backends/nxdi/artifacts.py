@@ -18,11 +18,11 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from compile_cache import CacheKeyInputs, CompileCache, Entry, architecture_config, fingerprint_weights
+from neuron_lmi.backends.host import installed_version
 from neuron_lmi.backends.nxdi.plan import CONFIG_MODULE, HF_ADAPTER_MODULE, LIBRARY, NxdiPlan
 
 log = logging.getLogger(__name__)
@@ -32,14 +32,6 @@ ARTIFACT_FILES = ("neuron_config.json", "model.pt")
 NEURON_PACKAGES = ("neuronx-distributed-inference", "neuronx-distributed", "torch-neuronx", "neuronx-cc")
 NEURON_PIP_REPOSITORY = "https://pip.repos.neuron.amazonaws.com"
 NOT_INSTALLED = "not-installed"
-
-
-def installed_version(distribution: str) -> str | None:
-    """The installed version, read from metadata (nothing is imported)."""
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def is_artifact_dir(path: Path) -> bool:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from cache_api import RowTable
+from neuron_lmi.backends.row_batch import check_prompts, token_batch
 
 if TYPE_CHECKING:
     from compile_cache import CompileCache
@@ -41,8 +42,6 @@ if TYPE_CHECKING:
     from neuron_lmi.config.options import ServingConfig
 
 log = logging.getLogger(__name__)
-
-PAD_TOKEN_ID = 0
 
 
 class CausalLMApplication(Protocol):
@@ -82,24 +81,13 @@ class NxdiRunner:
         self.on_device_sampling = on_device_sampling
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        if len(rows) != len(prompts):
-            raise ValueError("prefill: rows and prompts differ in length")
-        for row, prompt in zip(rows, prompts, strict=True):
-            self.rows.check_in_use(row)
-            if not prompt:
-                raise ValueError(f"prefill: prompt for row {row} is empty")
-            if len(prompt) > self.n_positions:
-                raise ValueError(
-                    f"prefill: prompt of {len(prompt)} tokens exceeds n_positions={self.n_positions}"
-                )
+        check_prompts(self.rows, rows, prompts, self.n_positions)
         logits = torch.empty(len(rows), self.vocab_size)
         for i, (row, prompt) in enumerate(zip(rows, prompts, strict=True)):
             logits[i] = self._context(row, list(prompt))[0]
         return logits
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
-        if len(rows) != len(tokens):
-            raise ValueError("decode: rows and tokens differ in length")
         return self._token_step(list(rows), list(tokens))
 
     def _context(self, row: int, prompt: list[int]) -> torch.Tensor:
@@ -114,28 +102,17 @@ class NxdiRunner:
         return self._logits(out, 1)
 
     def _token_step(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
-        positions = self.rows.reserve_next(rows)
-        asked = set(rows)
-        passengers = [
-            r for r in self.rows.in_use() if r not in asked and 0 < self.rows.length(r) < self.n_positions
-        ]
-        seq_ids = rows + passengers
-        all_tokens = tokens + [PAD_TOKEN_ID] * len(passengers)
-        all_positions = positions + [self.rows.length(r) for r in passengers]
-        order = sorted(range(len(seq_ids)), key=seq_ids.__getitem__)
-        position_ids = torch.tensor([all_positions[i] for i in order], dtype=torch.long)[:, None]
-        width = int(position_ids.max())
-        attention_mask = (torch.arange(width)[None, :] < position_ids).long()
+        # Riders need a length of at least 1: a line at position 0 is a context encoding to NxDI.
+        batch = token_batch(self.rows, rows, tokens, self.n_positions, min_rider_length=1)
+        position_ids = batch.positions[:, None]
+        attention_mask = (torch.arange(int(position_ids.max()))[None, :] < position_ids).long()
         out = self.model(
-            input_ids=torch.tensor([all_tokens[i] for i in order], dtype=torch.long)[:, None],
+            input_ids=batch.tokens[:, None],
             attention_mask=attention_mask,
             position_ids=position_ids,
-            seq_ids=torch.tensor([seq_ids[i] for i in order], dtype=torch.long),
+            seq_ids=batch.seq_ids,
         )
-        logits = self._logits(out, len(seq_ids))
-        unsorted = torch.empty_like(logits)
-        unsorted[torch.tensor(order)] = logits
-        return unsorted[: len(rows)]
+        return batch.restore(self._logits(out, len(batch.order)))
 
     def _logits(self, out: Any, n: int) -> torch.Tensor:
         logits = getattr(out, "logits", out)

@@ -1,0 +1,79 @@
+"""What both Neuron runners (transformers-neuronx's and NxD Inference's) do around a compiled
+continuous-batching forward: check prompts against the row table, and lay out one token-generation
+call over device rows.
+
+A compiled batch writes every line it is given into the KV row its seq_id names, and pads a partial
+batch with copies of one of its lines. So a call lists every live row (the rows that are not asked
+to step ride along at their next, unwritten position, where the padding write is harmless), in
+ascending seq_id order (releases that return a full batch ungathered then agree with those that
+gather), and the logits are mapped back to the order asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cache_api import RowTable
+
+PAD_TOKEN_ID = 0  # the token a riding-along row feeds; its logits are dropped
+
+
+def check_prompts(
+    table: RowTable, rows: Sequence[int], prompts: Sequence[Sequence[int]], n_positions: int
+) -> None:
+    """Raise ``ValueError`` unless each prompt is non-empty, fits ``n_positions`` and goes to a row in use."""
+    if len(rows) != len(prompts):
+        raise ValueError("prefill: rows and prompts differ in length")
+    for row, prompt in zip(rows, prompts, strict=True):
+        table.check_in_use(row)
+        if not prompt:
+            raise ValueError(f"prefill: prompt for row {row} is empty")
+        if len(prompt) > n_positions:
+            raise ValueError(f"prefill: prompt of {len(prompt)} tokens exceeds n_positions={n_positions}")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBatch:
+    """One token-generation call, lines in ascending seq_id order; the first ``asked`` entries of
+    the unsorted layout are the rows asked to step, the rest ride along."""
+
+    seq_ids: torch.Tensor  # [n] long, ascending
+    tokens: torch.Tensor  # [n] long
+    positions: torch.Tensor  # [n] long: the position each line writes
+    order: torch.Tensor  # [n]: line j of the call is entry order[j] of the unsorted layout
+    asked: int
+
+    def restore(self, logits: torch.Tensor) -> torch.Tensor:
+        """The call's ``[n, vocab]`` logits back in the order asked, riders dropped."""
+        unsorted = torch.empty_like(logits)
+        unsorted[self.order] = logits
+        return unsorted[: self.asked]
+
+
+def token_batch(
+    table: RowTable, rows: list[int], tokens: list[int], n_positions: int, min_rider_length: int = 0
+) -> TokenBatch:
+    """Reserve the next position of each of ``rows`` and lay out the call with every other live row
+    of at least ``min_rider_length`` positions riding along (NxD Inference needs 1: a line at
+    position 0 would turn the call into a context encoding)."""
+    if len(rows) != len(tokens):
+        raise ValueError("decode: rows and tokens differ in length")
+    positions = table.reserve_next(rows)
+    asked = set(rows)
+    riders = [
+        r for r in table.in_use() if r not in asked and min_rider_length <= table.length(r) < n_positions
+    ]
+    seq_ids = rows + riders
+    all_tokens = tokens + [PAD_TOKEN_ID] * len(riders)
+    all_positions = positions + [table.length(r) for r in riders]
+    order = sorted(range(len(seq_ids)), key=seq_ids.__getitem__)
+
+    def laid_out(values: list[int]) -> torch.Tensor:
+        return torch.tensor([values[i] for i in order], dtype=torch.long)
+
+    return TokenBatch(
+        laid_out(seq_ids), laid_out(all_tokens), laid_out(all_positions), torch.tensor(order), len(rows)
+    )
