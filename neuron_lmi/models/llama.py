@@ -318,17 +318,24 @@ class LlamaForCausalLM(nn.Module):
         b = tokens.shape[0]
         cos, sin = self.rotary.lookup(positions[:, None], seq_lens=(positions + 1).tolist())
         mask = self.window_mask(positions[:, None], torch.arange(attn_len)[None, :]).view(b, 1, 1, attn_len)
-        groups = self._attention_groups(rows, positions, attn_lens) if attn_lens else ()
-        step = DecodeInputs(rows, positions, cos, sin, mask, attn_len, self.scale, _contiguous(rows), groups)
+        row_slice = _contiguous(rows)
+        one_slice = row_slice is not None
+        groups = self._attention_groups(rows, positions, attn_lens, one_slice) if attn_lens else ()
+        step = DecodeInputs(rows, positions, cos, sin, mask, attn_len, self.scale, row_slice, groups)
         x = F.embedding(tokens[:, None], self.embed)
         for i, layer in enumerate(self.layers):
             x = layer.decode_step(x, k_cache[i], v_cache[i], step)
         return self.logits(x[:, 0])
 
     def _attention_groups(
-        self, rows: torch.Tensor, positions: torch.Tensor, attn_lens: list[int]
+        self, rows: torch.Tensor, positions: torch.Tensor, attn_lens: list[int], one_slice: bool
     ) -> tuple[AttentionGroup, ...]:
+        """Rows grouped by length bucket, or none (one attention over ``max(attn_lens)``). When the
+        rows are one slice of the cache, that one attention reads it in place, while groups gather
+        (copy) their rows; so groups are used there only where they read under half as much."""
         if len(set(attn_lens)) < 2:
+            return ()
+        if one_slice and 2 * sum(attn_lens) >= len(attn_lens) * max(attn_lens):
             return ()
         groups = []
         lens = torch.tensor(attn_lens)

@@ -161,19 +161,28 @@ class CpuRunner:
         self.cache.copy(src, dst, n)
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
-        positions = self.cache.reserve_next(rows)
-        # Each row attends over its own length bucket: a long row does not widen the others'.
+        # Rows go to the model in ascending order: a run of rows is then a slice of the cache, which
+        # attention reads in place (any other set of rows is gathered, a copy per layer).
+        order = sorted(range(len(rows)), key=rows.__getitem__)
+        ordered = [rows[i] for i in order]
+        positions = self.cache.reserve_next(ordered)
+        # Each row's length bucket: the model may group rows by it, so a long row does not make the
+        # others read its length.
         attn_lens = [pick_bucket(self.token_buckets, p + 1) for p in positions.tolist()]
-        attn_len = max(attn_lens)
-        return self.model.decode(
-            torch.tensor(list(tokens), dtype=torch.long),
-            torch.tensor(list(rows), dtype=torch.long),
+        logits = self.model.decode(
+            torch.tensor([tokens[i] for i in order], dtype=torch.long),
+            torch.tensor(ordered, dtype=torch.long),
             positions,
             self.cache.k,
             self.cache.v,
-            attn_len,
+            max(attn_lens),
             attn_lens,
         )
+        if order == sorted(order):
+            return logits
+        unsorted = torch.empty_like(logits)
+        unsorted[torch.tensor(order)] = logits
+        return unsorted
 
     def prompt_logits(self, prompt: Sequence[int]) -> torch.Tensor:
         """Logits at every position of ``prompt``, ``[len(prompt), vocab]`` fp32, for prompt

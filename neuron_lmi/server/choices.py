@@ -8,10 +8,11 @@ distribution, as vLLM ranks them) and the best ``n`` are returned, in that order
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from neuron_lmi.engine.types import PromptToken
+from neuron_lmi.engine.types import FinishReason, PromptToken
 from neuron_lmi.server.generation import Collected
 
 
@@ -35,6 +36,16 @@ def prepend(head: dict[str, list[Any]], tail: dict[str, list[Any]]) -> dict[str,
 def first_prompt(out: Collected) -> tuple[PromptToken, ...] | None:
     """The scored prompt a request's first event carries (None if it was not scored)."""
     return out.events[0].prompt if out.events else None
+
+
+def prompt_of(out: Collected) -> Collected:
+    """``max_tokens: 0``: the request as if it had stopped before its first token (its first event
+    keeps the scored prompt, with no text and no token of its own; finish_reason ``length``)."""
+    failure = out.failure()
+    if failure is not None or not out.events:
+        return out
+    first = dataclasses.replace(out.events[0], token_id=-1, text="", finish_reason=FinishReason.LENGTH)
+    return Collected(events=[first], prompt_tokens=out.prompt_tokens)
 
 
 def cumulative_logprob(out: Collected) -> float:

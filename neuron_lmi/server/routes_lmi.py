@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 import neuron_lmi
 from neuron_lmi.engine.types import MAX_STOP_SEQUENCES, SamplingParams, TokenEvent
+from neuron_lmi.server.choices import cumulative_logprob
 from neuron_lmi.server.context import ServerContext, ctx_of
 from neuron_lmi.server.errors import (
     ApiError,
@@ -41,6 +42,7 @@ from neuron_lmi.server.generation import (
 )
 from neuron_lmi.server.schemas_grammar import TgiGrammar
 from neuron_lmi.server.schemas_lmi import (
+    MAX_BEST_OF,
     LmiParameters,
     LmiRequest,
     Style,
@@ -48,6 +50,7 @@ from neuron_lmi.server.schemas_lmi import (
     lmi_details,
     stream_token,
     tgi_details,
+    tgi_sequence,
     to_sampling,
     top_list,
 )
@@ -96,12 +99,26 @@ def _lmi_result(ctx: ServerContext, out: Collected, text: str, p: LmiParameters)
     return body
 
 
-def _tgi_result(ctx: ServerContext, out: Collected, text: str, p: LmiParameters) -> dict[str, Any]:
+def _tgi_result(
+    ctx: ServerContext, out: Collected, text: str, p: LmiParameters, others: Sequence[Collected] = ()
+) -> dict[str, Any]:
     _raise_if_failed(out)
+    sequences = None
+    if others:
+        for other in others:
+            _raise_if_failed(other)
+        sequences = [tgi_sequence(o, text, p, _prefill(ctx, o, text, p), ctx.special_ids) for o in others]
     return {
         "generated_text": (text if p.return_full_text else "") + out.text,
-        "details": tgi_details(out, p, _prefill(ctx, out, text, p), ctx.special_ids),
+        "details": tgi_details(out, p, _prefill(ctx, out, text, p), ctx.special_ids, sequences),
     }
+
+
+def _best_first(outs: Sequence[Collected], per_input: int) -> list[list[Collected]]:
+    """Each input's ``per_input`` candidates (consecutive in ``outs``), highest cumulative
+    log-probability first (``best_of``: the first is the answer)."""
+    groups = [list(outs[i : i + per_input]) for i in range(0, len(outs), per_input)]
+    return [sorted(g, key=cumulative_logprob, reverse=True) for g in groups]
 
 
 async def _checked(stream: TokenStream, out: Collected) -> AsyncIterator[TokenEvent]:
@@ -189,7 +206,8 @@ async def _start(
         raise invalid(family, "streaming takes a single input string, not a list", "inputs")
     stream = req.stream or force_stream
     params: SamplingParams = to_sampling(req.parameters, family, ctx.engine.n_positions, stream)
-    jobs = [(_prompt_for(ctx, text, req.parameters.truncate), params) for text in inputs]
+    prompts = [_prompt_for(ctx, text, req.parameters.truncate) for text in inputs]
+    jobs = [(prompt, params) for prompt in prompts for _ in range(req.parameters.best_of or 1)]
     streams = await open_streams(ctx.engine, ctx.metrics, jobs, "lmi")
     return ctx, req, inputs, streams
 
@@ -207,9 +225,10 @@ async def _serve(request: Request, style: Style, force_stream: bool = False) -> 
     outs: Sequence[Collected] = await until_disconnect(
         request, asyncio.gather(*(collect(s) for s in streams))
     )
+    ranked = _best_first(outs, p.best_of or 1)
     if style == "tgi":
-        return JSONResponse([_tgi_result(ctx, outs[0], inputs[0], p)])
-    results = [_lmi_result(ctx, o, t, p) for o, t in zip(outs, inputs, strict=True)]
+        return JSONResponse([_tgi_result(ctx, ranked[0][0], inputs[0], p, ranked[0][1:])])
+    results = [_lmi_result(ctx, group[0], t, p) for group, t in zip(ranked, inputs, strict=True)]
     return JSONResponse(results[0] if isinstance(req.inputs, str) else results)
 
 
@@ -241,7 +260,7 @@ def _supported_parameters() -> dict[str, Any]:
     """What requests may set, per API, read from the schemas the routes validate with."""
     from neuron_lmi.server.schemas_openai import ChatRequest, CompletionRequest
 
-    refused = {"typical_p", "watermark", "best_of", "suffix"}  # accepted only at neutral values
+    refused = {"typical_p", "watermark", "suffix"}  # accepted only at neutral values
     return {
         "lmi_tgi": sorted(set(LmiParameters.model_fields) - refused),
         "openai_completions": sorted(set(CompletionRequest.model_fields) - {"suffix"}),
@@ -263,7 +282,7 @@ async def info(request: Request) -> dict[str, Any]:
         "model_device_type": engine.backend_name,
         "model_pipeline_tag": "text-generation",
         "max_concurrent_requests": engine.max_batch_size,
-        "max_best_of": 1,
+        "max_best_of": MAX_BEST_OF,
         "max_stop_sequences": MAX_STOP_SEQUENCES,
         "max_input_tokens": engine.n_positions - 1,
         "max_input_length": engine.n_positions - 1,

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from neuron_lmi.engine.types import SamplingParams, TokenEvent
-from neuron_lmi.server.choices import best_of, first_prompt, prepend, prompt_logprobs
+from neuron_lmi.server.choices import best_of, first_prompt, prepend, prompt_logprobs, prompt_of
 from neuron_lmi.server.context import ServerContext, ctx_of
 from neuron_lmi.server.errors import ApiError, error_body, from_engine_error, invalid, parse_body
 from neuron_lmi.server.generation import (
@@ -170,7 +170,8 @@ async def completions(request: Request) -> Response:
     req = parse_body(await request.body(), CompletionRequest, "openai")
     _check_model(ctx, req.model)
     prompts = _completion_prompts(ctx, req)
-    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    prompt_only = req.scores_prompt_only()
+    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else max(req.max_tokens, 1)
     params = to_sampling(req, max_tokens, req.logprobs or 0, ctx.engine.n_positions)
     per_prompt = max(req.n, req.best_of or 1)
     if per_prompt > req.n:  # candidates are ranked by their log-probabilities
@@ -205,6 +206,8 @@ async def completions(request: Request) -> Response:
         body = _stream_body(head, streams, req.n, usage, choice)
         return ReleasingStreamingResponse(body, streams, media_type="text/event-stream", headers=SSE_HEADERS)
     outs = await _collect_all(request, streams)
+    if prompt_only:
+        outs = [prompt_of(o) for o in outs]
     generated = sum(o.generated_tokens for o in outs)
     outs = best_of(outs, per_prompt, req.n) if per_prompt > req.n else outs
     choices = []

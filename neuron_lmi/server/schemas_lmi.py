@@ -32,6 +32,7 @@ from neuron_lmi.server.schema_types import (
 from neuron_lmi.server.schemas_grammar import TgiGrammar, tgi_grammar
 
 DEFAULT_MAX_NEW_TOKENS = 30
+MAX_BEST_OF = 16  # TGI's max_best_of (its launcher's default is 2; OpenAI's n/best_of limit here is 16)
 # Parameters a model's generation_config.json may default; LMI/TGI have no min_p/presence_penalty.
 DEFAULTABLE = ("temperature", "top_k", "top_p", "repetition_penalty", "frequency_penalty")
 Style = Literal["lmi", "tgi"]
@@ -64,7 +65,13 @@ class LmiParameters(BaseModel):
     return_full_text: bool = False
     truncate: PositiveInt | None = None
     typical_p: float | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_BEST_OF,
+        description="Sample best_of sequences and return the one with the highest cumulative "
+        "log-probability; the others in details.best_of_sequences (TGI). Needs sampling, no seed, no stream.",
+    )
     watermark: bool = False
     grammar: TgiGrammar | None = Field(
         default=None, description="Constrain the output: a JSON Schema (type json) or a regex (type regex)."
@@ -98,13 +105,26 @@ def _refuse_unsupported(p: LmiParameters, family: Family) -> None:
     unsupported = {
         "typical_p": p.typical_p is not None,
         "watermark": p.watermark,
-        "best_of": p.best_of not in (None, 1),
     }
     for name, bad in unsupported.items():
         if bad:
             raise invalid(family, f"{name} is not supported by this server", f"parameters.{name}")
     if p.truncate is not None and p.truncate <= 0:
         raise invalid(family, f"truncate must be positive, got {p.truncate}", "parameters.truncate")
+
+
+def _check_best_of(p: LmiParameters, family: Family, stream: bool) -> None:
+    """TGI's rules for ``best_of`` > 1: candidates must differ (sampling, and no single seed shared
+    by all), and only one sequence can be streamed."""
+    if (p.best_of or 1) == 1:
+        return
+    field = "parameters.best_of"
+    if not p.do_sample:
+        raise invalid(family, "best_of > 1 needs sampling (do_sample: true)", field)
+    if p.seed is not None:
+        raise invalid(family, "seed must not be set when best_of > 1", "parameters.seed")
+    if stream:
+        raise invalid(family, "best_of > 1 is not supported when streaming tokens", field)
 
 
 def to_sampling(
@@ -121,6 +141,7 @@ def to_sampling(
     if not p.do_sample:
         unset.discard("temperature")
     _refuse_unsupported(p, family)
+    _check_best_of(p, family, stream)
     stop = (p.stop,) if isinstance(p.stop, str) else tuple(p.stop or ())
     params = SamplingParams(
         max_new_tokens=DEFAULT_MAX_NEW_TOKENS if p.max_new_tokens is None else p.max_new_tokens,
@@ -132,7 +153,8 @@ def to_sampling(
         seed=p.seed,
         top_n_tokens=0 if p.top_n_tokens is None else p.top_n_tokens,
         ignore_eos=p.ignore_eos,
-        logprobs=bool(p.details or p.top_n_tokens),
+        # best_of ranks candidates by their log-probabilities, so every backend must return them.
+        logprobs=bool(p.details or p.top_n_tokens or (p.best_of or 1) > 1),
         stream=stream,
         unset=frozenset(unset),
         frequency_penalty=p.frequency_penalty or 0.0,
@@ -191,9 +213,14 @@ def lmi_details(
 
 
 def tgi_details(
-    out: Collected, p: LmiParameters, prefill: list[dict[str, Any]], special_ids: frozenset[int]
+    out: Collected,
+    p: LmiParameters,
+    prefill: list[dict[str, Any]],
+    special_ids: frozenset[int],
+    others: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """TGI's ``details`` as ``text_generation.types.Details`` parses it."""
+    """TGI's ``details`` as ``text_generation.types.Details`` parses it; ``others`` are the
+    ``best_of_sequences`` (:func:`tgi_sequence` of each candidate not chosen)."""
     return {
         "finish_reason": finish_name(out.finish_reason),
         "generated_tokens": out.generated_tokens,
@@ -203,5 +230,14 @@ def tgi_details(
         "top_tokens": [top_list(e.top_tokens, special_ids, "tgi") for e in out.tokens]
         if p.top_n_tokens
         else None,
-        "best_of_sequences": None,
+        "best_of_sequences": others,
     }
+
+
+def tgi_sequence(
+    out: Collected, text: str, p: LmiParameters, prefill: list[dict[str, Any]], special_ids: frozenset[int]
+) -> dict[str, Any]:
+    """One of TGI's ``best_of_sequences``: a candidate's text with its own details."""
+    details = tgi_details(out, p, prefill, special_ids)
+    del details["best_of_sequences"]
+    return {"generated_text": (text if p.return_full_text else "") + out.text, **details}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from neuron_lmi.engine.types import InvalidRequestError, SamplingParams
 from neuron_lmi.server.errors import invalid
@@ -117,9 +117,23 @@ class CompletionRequest(_Common):
         description="Generate best_of candidates per prompt and return the n with the highest "
         "cumulative log-probability (best_of >= n; not with stream).",
     )
+    max_tokens: NonNegativeInt | None = Field(
+        default=None,
+        description="Tokens to generate (default 16); 0 only with echo and without stream: the prompt "
+        "alone, scored with logprobs (how evaluation harnesses read log-likelihoods).",
+    )
 
     def unsupported(self) -> dict[str, bool]:
         return {**super().unsupported(), "suffix": self.suffix is not None}
+
+    def scores_prompt_only(self) -> bool:
+        """``max_tokens: 0``: nothing is generated (the engine still runs one token, dropped)."""
+        if self.max_tokens != 0:
+            return False
+        if not self.echo or self.stream:
+            message = "max_tokens=0 needs echo=true and no stream (the prompt alone is returned)"
+            raise invalid("openai", message, "max_tokens")
+        return True
 
 
 class ContentPart(BaseModel):

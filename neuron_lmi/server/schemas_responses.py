@@ -222,6 +222,18 @@ class TgiToken(_Doc):
     special: bool
 
 
+class TgiSequence(_Doc):
+    """One of ``best_of_sequences``: a candidate that was not chosen, with its own details."""
+
+    generated_text: str
+    finish_reason: str
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken]
+    tokens: list[TgiToken]
+    top_tokens: list[list[TgiToken]] | None
+
+
 class TgiDetails(_Doc):
     finish_reason: str
     generated_tokens: int
@@ -229,7 +241,7 @@ class TgiDetails(_Doc):
     prefill: list[PrefillToken]
     tokens: list[TgiToken]
     top_tokens: list[list[TgiToken]] | None
-    best_of_sequences: None
+    best_of_sequences: list[TgiSequence] | None
 
 
 class TgiResponse(_Doc):

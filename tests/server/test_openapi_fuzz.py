@@ -56,10 +56,11 @@ def _bounded(body: Any) -> None:
             value = owner.get(name)
             if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS:
                 owner[name] = MAX_TOKENS
-    for name in ("n", "best_of"):
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_CHOICES:
-            body[name] = MAX_CHOICES
+    for owner in (body, body.get("parameters")):
+        for name in ("n", "best_of") if isinstance(owner, dict) else ():
+            value = owner.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_CHOICES:
+                owner[name] = MAX_CHOICES
 
 
 def _named_error(ctx: Any, response: Any, case: Any) -> None:

@@ -67,6 +67,26 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers(
     assert fp32_server.wait_rows_free() == 0
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(
+    fp32_client: openai.OpenAI, model: str, fp32_server: ServerProcess, hf_prompt_logprobs
+) -> None:
+    """What evaluation harnesses send for a log-likelihood: the prompt back, scored, nothing generated."""
+    ids, expected, _ = hf_prompt_logprobs
+    r = fp32_client.completions.create(
+        model=model, prompt=[PROMPT, PROMPT], max_tokens=0, temperature=0, echo=True, logprobs=1
+    )
+    assert [c.text for c in r.choices] == [PROMPT, PROMPT]
+    for choice in r.choices:
+        assert choice.finish_reason == "length" and len(choice.logprobs.tokens) == len(ids)
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=2e-4)
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == 2 * len(ids)
+    for bad in ({"echo": False}, {"echo": True, "stream": True}):
+        with pytest.raises(openai.BadRequestError) as info:
+            fp32_client.completions.create(model=model, prompt=PROMPT, max_tokens=0, **bad)
+        assert info.value.body["param"] == "max_tokens"
+    assert fp32_server.wait_rows_free() == 0
+
+
 def test_echo_with_logprobs_streams_the_prompt_first(
     fp32_client: openai.OpenAI, model: str, hf_prompt_logprobs
 ) -> None:
@@ -112,6 +132,28 @@ def test_best_of_returns_the_n_most_likely_candidates(client: openai.OpenAI, mod
     assert [c.index for c in best.choices] == [0, 1]
     assert got == pytest.approx(totals[:2], abs=1e-4)
     assert best.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in every)
+
+
+def test_tgi_best_of_answers_with_the_most_likely_and_lists_the_others(tiny_server: ServerProcess) -> None:
+    from text_generation import Client
+
+    tgi = Client(tiny_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+    r = tgi.generate(PROMPT, max_new_tokens=6, do_sample=True, temperature=1.0, best_of=3)
+    others = r.details.best_of_sequences
+    assert others is not None and len(others) == 2
+
+    def total(tokens: Any) -> float:
+        return sum(t.logprob for t in tokens)
+
+    assert all(total(r.details.tokens) >= total(o.tokens) for o in others)
+    assert all(o.generated_tokens == len(o.tokens) and o.generated_text for o in others)
+    assert total(r.details.tokens) == pytest.approx(sum(t.logprob for t in r.details.tokens))
+    # LMI's /generate answers with the best candidate alone.
+    with tiny_server.client(timeout=120) as http:
+        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 4, "do_sample": True, "best_of": 2}}
+        lmi = http.post("/generate", json=body)
+    assert lmi.status_code == 200 and isinstance(lmi.json()["generated_text"], str)
+    assert tiny_server.wait_rows_free() == 0
 
 
 def test_seed_makes_each_choice_reproducible(client: openai.OpenAI, model: str) -> None:
@@ -208,6 +250,24 @@ OK_CHAT = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
             "parameters.frequency_penalty",
         ),
         ("/generate", {"inputs": "x", "parameters": {"best_of": 2}}, 400, "parameters.best_of"),
+        (
+            "/generate",
+            {"inputs": "x", "parameters": {"best_of": 2, "do_sample": True, "seed": 1}},
+            400,
+            "parameters.seed",
+        ),
+        (
+            "/generate_stream",
+            {"inputs": "x", "parameters": {"best_of": 2, "do_sample": True}},
+            422,  # TGI's status for a validation error
+            "parameters.best_of",
+        ),
+        (
+            "/generate",
+            {"inputs": "x", "parameters": {"best_of": 17, "do_sample": True}},
+            400,
+            "parameters.best_of",
+        ),
         ("/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(65)]}, 400, "stop"),
     ],
 )
