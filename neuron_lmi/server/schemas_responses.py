@@ -222,25 +222,22 @@ class TgiToken(_Doc):
     special: bool
 
 
-class TgiSequence(_Doc):
+class _TgiGenerationDetails(_Doc):
+    finish_reason: str
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken]
+    tokens: list[TgiToken]
+    top_tokens: list[list[TgiToken]] | None
+
+
+class TgiSequence(_TgiGenerationDetails):
     """One of ``best_of_sequences``: a candidate that was not chosen, with its own details."""
 
     generated_text: str
-    finish_reason: str
-    generated_tokens: int
-    seed: int | None
-    prefill: list[PrefillToken]
-    tokens: list[TgiToken]
-    top_tokens: list[list[TgiToken]] | None
 
 
-class TgiDetails(_Doc):
-    finish_reason: str
-    generated_tokens: int
-    seed: int | None
-    prefill: list[PrefillToken]
-    tokens: list[TgiToken]
-    top_tokens: list[list[TgiToken]] | None
+class TgiDetails(_TgiGenerationDetails):
     best_of_sequences: list[TgiSequence] | None
 
 
