@@ -10,10 +10,11 @@ gate|up weight (576 x 3072):
     32     2625 / 893 us            492 / 348 us
     2048   71 / 76 ms               9.9 / 6.2 ms
 
-In the whole SmolLM2 decode step (weights streaming from memory, not hot in cache) bf16 gained
-37 -> 30% at batch 1 and 32 (with fused attention), fp32 lost 43% at batch 1 and gained 5% at
-batch 32, so only bf16 is packed. :func:`pack_model` is a transform applied after loading,
-like ``quantize.quantize_model``: every dense 2-D weight a layer names in ``linear_weights``, and
+In the whole SmolLM2 decode step (weights streaming from memory, not hot in cache, fused
+attention) bf16 went from 45.5 to 37.2 ms at batch 1 and from 87.6 to 71.4 ms at batch 32; fp32
+went from 34.7 to 49.9 ms at batch 1 and from 112.4 to 107.0 ms at batch 32, so only bf16 is
+packed. :func:`pack_model` is a transform applied after loading, like
+``quantize.quantize_model``: every dense 2-D weight a layer names in ``linear_weights``, and
 ``lm_head``, becomes a :class:`PackedLinear`; ``quant.linear`` calls it like any weight module.
 In bf16 packed results matched ``F.linear`` bit for bit on these shapes (the same oneDNN kernel
 behind both); ``CpuEngineOptions.pack_weights=False`` keeps plain tensors.
