@@ -1,4 +1,4 @@
-"""OpenAI completions' choice helpers: ``echo`` with prompt log-probabilities, and ``best_of``.
+"""Choice helpers: completions' ``echo`` with prompt log-probabilities, and ``best_of`` (OpenAI and TGI).
 
 With ``echo`` and ``logprobs``, a choice's ``logprobs`` lists the prompt's tokens first (the first
 one has ``null`` log-probability and alternatives, as OpenAI's and vLLM's do), then the generated

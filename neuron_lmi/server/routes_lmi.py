@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 import neuron_lmi
 from neuron_lmi.engine.types import MAX_STOP_SEQUENCES, SamplingParams, TokenEvent
-from neuron_lmi.server.choices import cumulative_logprob
+from neuron_lmi.server.choices import best_of
 from neuron_lmi.server.context import ServerContext, ctx_of
 from neuron_lmi.server.errors import (
     ApiError,
@@ -112,13 +112,6 @@ def _tgi_result(
         "generated_text": (text if p.return_full_text else "") + out.text,
         "details": tgi_details(out, p, _prefill(ctx, out, text, p), ctx.special_ids, sequences),
     }
-
-
-def _best_first(outs: Sequence[Collected], per_input: int) -> list[list[Collected]]:
-    """Each input's ``per_input`` candidates (consecutive in ``outs``), highest cumulative
-    log-probability first (``best_of``: the first is the answer)."""
-    groups = [list(outs[i : i + per_input]) for i in range(0, len(outs), per_input)]
-    return [sorted(g, key=cumulative_logprob, reverse=True) for g in groups]
 
 
 async def _checked(stream: TokenStream, out: Collected) -> AsyncIterator[TokenEvent]:
@@ -225,10 +218,11 @@ async def _serve(request: Request, style: Style, force_stream: bool = False) -> 
     outs: Sequence[Collected] = await until_disconnect(
         request, asyncio.gather(*(collect(s) for s in streams))
     )
-    ranked = _best_first(outs, p.best_of or 1)
+    per_input = p.best_of or 1
+    ranked = best_of(outs, per_input, per_input)  # each input's candidates, the most likely first
     if style == "tgi":
-        return JSONResponse([_tgi_result(ctx, ranked[0][0], inputs[0], p, ranked[0][1:])])
-    results = [_lmi_result(ctx, group[0], t, p) for group, t in zip(ranked, inputs, strict=True)]
+        return JSONResponse([_tgi_result(ctx, ranked[0], inputs[0], p, ranked[1:per_input])])
+    results = [_lmi_result(ctx, ranked[i * per_input], t, p) for i, t in enumerate(inputs)]
     return JSONResponse(results[0] if isinstance(req.inputs, str) else results)
 
 
