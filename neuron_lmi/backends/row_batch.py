@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from cache_api import RowTable
+from neuron_lmi.runners.base import ascending, in_asked_order
 
 PAD_TOKEN_ID = 0  # the token a riding-along row feeds; its logits are dropped
 
@@ -43,14 +44,12 @@ class TokenBatch:
     seq_ids: torch.Tensor  # [n] long, ascending
     tokens: torch.Tensor  # [n] long
     positions: torch.Tensor  # [n] long: the position each line writes
-    order: torch.Tensor  # [n]: line j of the call is entry order[j] of the unsorted layout
+    order: list[int]  # line j of the call is entry order[j] of the unsorted layout
     asked: int
 
     def restore(self, logits: torch.Tensor) -> torch.Tensor:
         """The call's ``[n, vocab]`` logits back in the order asked, riders dropped."""
-        unsorted = torch.empty_like(logits)
-        unsorted[self.order] = logits
-        return unsorted[: self.asked]
+        return in_asked_order(logits, self.order)[: self.asked]
 
 
 def token_batch(
@@ -69,11 +68,9 @@ def token_batch(
     seq_ids = rows + riders
     all_tokens = tokens + [PAD_TOKEN_ID] * len(riders)
     all_positions = positions + [table.length(r) for r in riders]
-    order = sorted(range(len(seq_ids)), key=seq_ids.__getitem__)
+    order = ascending(seq_ids)
 
     def laid_out(values: list[int]) -> torch.Tensor:
         return torch.tensor([values[i] for i in order], dtype=torch.long)
 
-    return TokenBatch(
-        laid_out(seq_ids), laid_out(all_tokens), laid_out(all_positions), torch.tensor(order), len(rows)
-    )
+    return TokenBatch(laid_out(seq_ids), laid_out(all_tokens), laid_out(all_positions), order, len(rows))

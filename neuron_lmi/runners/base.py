@@ -48,3 +48,18 @@ class ExtendingRunner(ModelRunner, Protocol):
 def supports_extend(runner: ModelRunner) -> bool:
     """Whether ``runner`` is an ``ExtendingRunner`` (chunked prefill and prefix reuse apply)."""
     return bool(getattr(runner, "supports_extend", False))
+
+
+def ascending(rows: Sequence[int]) -> list[int]:
+    """The indices that put ``rows`` in ascending order (a runner that sends rows sorted)."""
+    return sorted(range(len(rows)), key=rows.__getitem__)
+
+
+def in_asked_order(logits: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """``logits`` computed with line j for entry ``order[j]`` (``ascending``), back in entry order;
+    ``logits`` itself when the entries were already ascending."""
+    if order == sorted(order):
+        return logits
+    unsorted = torch.empty_like(logits)
+    unsorted[torch.tensor(order)] = logits
+    return unsorted

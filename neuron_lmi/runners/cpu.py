@@ -9,6 +9,7 @@ import torch
 
 from cache_api import RowTable
 from neuron_lmi.models.llama import LlamaForCausalLM
+from neuron_lmi.runners.base import ascending, in_asked_order
 from neuron_lmi.runners.buckets import chunk_buckets, pack_into_bins, pick_bucket, power_of_two_buckets
 
 
@@ -163,7 +164,7 @@ class CpuRunner:
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         # Rows go to the model in ascending order: a run of rows is then a slice of the cache, which
         # attention reads in place (any other set of rows is gathered, a copy per layer).
-        order = sorted(range(len(rows)), key=rows.__getitem__)
+        order = ascending(rows)
         ordered = [rows[i] for i in order]
         positions = self.cache.reserve_next(ordered)
         # Each row's length bucket: the model may group rows by it, so a long row does not make the
@@ -178,11 +179,7 @@ class CpuRunner:
             max(attn_lens),
             attn_lens,
         )
-        if order == sorted(order):
-            return logits
-        unsorted = torch.empty_like(logits)
-        unsorted[torch.tensor(order)] = logits
-        return unsorted
+        return in_asked_order(logits, order)
 
     def prompt_logits(self, prompt: Sequence[int]) -> torch.Tensor:
         """Logits at every position of ``prompt``, ``[len(prompt), vocab]`` fp32, for prompt
