@@ -54,6 +54,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--n-positions", type=int, help="max tokens per sequence, prompt included")
     p.add_argument("--dtype", help="fp32, bf16 or fp16 (CPU: bf16 where the CPU has native bf16, else fp32)")
     p.add_argument("--quantize", help="option.quantize: int8|int4 weight-only on CPU; Neuron: its methods")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="option.enforce_eager: no compiled graphs (CPU: decode eagerly instead of the compiled decode)",
+    )
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also NEURON_LMI_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, help="refuse larger request bodies with 413")
     p.add_argument("--grace-period-s", type=float, help="how long SIGTERM waits for in-flight requests")

@@ -1,15 +1,19 @@
-"""The static-shape graphs that ``torch.export`` traces for the cpu target, one per bucket.
+"""The graphs that ``torch.export`` traces for the cpu target: static-shape ones, one per bucket
+(``DecodeGraph``, ``PrefillGraph``: ``neuron-lmi compile --target cpu``), and ``WindowDecodeGraph``,
+one decode graph with a dynamic batch and length (the CPU engine's compiled decode).
 
-Both graphs reuse the eager model's layer code (``DecoderLayer.qkv/attn_out/mlp``, ``apply_rotary``,
+All reuse the eager model's layer code (``DecoderLayer.qkv/attn_out/mlp``, ``apply_rotary``,
 ``grouped_decode_attention``) so compiled and eager compute the same thing. Differences from eager,
 all forced by static shapes:
 
 * weights and rotary tables are *constants* of the graph (the wrapper's parameters and buffers,
-  named by ``constant_tensors``); AOTInductor is told not to embed them, and the loader hands it the
-  live tensors, so every bucket's artifact shares one copy of the weights;
+  named by ``constant_tensors``); for the bucket graphs AOTInductor is told not to embed them, and
+  the loader hands it the live tensors, so every bucket's artifact shares one copy of the weights
+  (the window decode graph freezes them instead: ``cpu_decode.py``);
 * the KV cache ``[layers, rows, kvh, n_positions, D]`` is an explicit *mutated input*, so prefill and
   decode artifacts write into the same ``cache_api.KVCache`` tensors;
-* decode always runs all ``n_rows`` rows (batch = max_rolling_batch_size). A row that is not part of
+* decode runs all ``n_rows`` rows (batch = max_rolling_batch_size; the window graph: rows ``0..n-1``,
+  ``n`` the highest stepping row + 1). A row that is not part of
   the step (``active[r]`` False) is padding: it computes on token 0 at position 0 and writes back the
   value already stored at that slot, so its cache is bit-for-bit unchanged whatever it holds (a free
   row, a paused row, a full row). Its logits are discarded by the runner;
@@ -19,6 +23,8 @@ all forced by static shapes:
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +39,8 @@ def check_compilable(model: LlamaForCausalLM) -> None:
     layers other than the plain ``DecoderLayer`` (a tensor-parallel shard)."""
     if not all(type(layer) is DecoderLayer for layer in model.layers):
         raise ValueError(
-            "compiled cpu graphs cover tensor_parallel_degree=1 only; this model's layers are sharded"
+            "compiled cpu graphs trace the plain DecoderLayer only (tensor_parallel_degree=1, no "
+            "mixture of experts); this model's layers are sharded or MoE"
         )
     if model.args.rope.kind == "dynamic":
         raise ValueError(
@@ -72,27 +79,70 @@ class DecodeGraph(_Graph):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        m, n = self.model, tokens.shape[0]
-        rows = torch.arange(n)
-        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
-        key_pos = torch.arange(self.attn_len)[None, :]
-        mask = m.window_mask(positions[:, None], key_pos).view(n, 1, 1, self.attn_len)
-        keep = active[:, None, None]
-        x = F.embedding(tokens[:, None], m.embed)
-        for i, layer in enumerate(m.layers):
-            q, k, v = layer.qkv(x)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            # Index the 5-D cache itself (layer as an index tensor, not a view): a write through
-            # ``k_cache[i]`` would be functionalised into a copy of the whole cache per layer.
-            slot = (torch.full_like(rows, i), rows, slice(None), positions)
-            k_cache[slot] = torch.where(keep, k[:, :, 0], k_cache[slot])
-            v_cache[slot] = torch.where(keep, v[:, :, 0], v_cache[slot])
-            k_all = k_cache[i, :, :, : self.attn_len]
-            v_all = v_cache[i, :, :, : self.attn_len]
-            attn = grouped_decode_attention(q, k_all, v_all, mask, m.scale)
-            x = x + layer.attn_out(attn)
-            x = x + layer.mlp(x)
-        return m.logits(x[:, 0])
+        key_pos = torch.arange(self.attn_len)
+        return decode_rows(self, tokens, positions, active, key_pos, k_cache, v_cache)
+
+
+def padded_decode_inputs(
+    n: int, rows: Sequence[int], tokens: Sequence[int], positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode graph's first inputs for a step of ``rows`` (each < ``n``): ``tokens``, ``positions``
+    and ``active`` over rows ``0..n-1``, the other rows padding; and ``rows`` as an index, to pick
+    the stepping rows' logits out of the graph's ``[n, vocab]``."""
+    index = torch.tensor(list(rows), dtype=torch.long)
+    all_tokens = torch.zeros(n, dtype=torch.long)
+    all_positions = torch.zeros(n, dtype=torch.long)
+    active = torch.zeros(n, dtype=torch.bool)
+    all_tokens[index] = torch.tensor(list(tokens), dtype=torch.long)
+    all_positions[index] = positions
+    active[index] = True
+    return all_tokens, all_positions, active, index
+
+
+def decode_rows(
+    graph: _Graph,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    active: torch.Tensor,
+    key_pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """The decode step both decode graphs trace: cache rows ``0..n-1`` step at ``positions`` (rows not
+    ``active`` rewrite what their slot holds) and attend over the first ``len(key_pos)`` positions."""
+    m, n, length = graph.model, tokens.shape[0], key_pos.shape[0]
+    rows = torch.arange(n)
+    cos, sin = graph.rope_cos[positions][:, None], graph.rope_sin[positions][:, None]
+    mask = m.window_mask(positions[:, None], key_pos[None, :]).view(n, 1, 1, length)
+    keep = active[:, None, None]
+    x = F.embedding(tokens[:, None], m.embed)
+    for i, layer in enumerate(m.layers):
+        q, k, v = layer.qkv(x)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # Index the 5-D cache itself (layer as an index tensor, not a view): a write through
+        # ``k_cache[i]`` would be functionalised into a copy of the whole cache per layer.
+        slot = (torch.full_like(rows, i), rows, slice(None), positions)
+        k_cache[slot] = torch.where(keep, k[:, :, 0], k_cache[slot])
+        v_cache[slot] = torch.where(keep, v[:, :, 0], v_cache[slot])
+        k_all, v_all = k_cache[i, :n, :, :length], v_cache[i, :n, :, :length]
+        attn = grouped_decode_attention(q, k_all, v_all, mask, m.scale)
+        x = x + layer.attn_out(attn)
+        x = x + layer.mlp(x)
+    return m.logits(x[:, 0])
+
+
+class WindowDecodeGraph(_Graph):
+    """One decode step over the first ``n`` cache rows (the *window*) attending over ``L`` positions,
+    both taken from the inputs' shapes, so one graph exported with dynamic ``n`` and ``L`` serves
+    every batch and length (``neuron_lmi/compile/cpu_decode.py``).
+
+    Inputs: ``tokens``/``positions`` int64 ``[n]``, ``active`` bool ``[n]``, ``key_pos`` int64 ``[L]``
+    (``arange(L)``: its length is the attention length), ``k_cache``/``v_cache`` (mutated, all rows).
+    Output: fp32 logits ``[n, vocab]``. ``L`` must stay below the cache's ``n_positions``: at equal
+    sizes the slice would be the whole (contiguous) tensor, a case the exported graph specialises on.
+    """
+
+    forward = decode_rows
 
 
 class PrefillGraph(_Graph):

@@ -64,6 +64,7 @@ KEYS: tuple[KeySpec, ...] = (
     _opt("model", "dtype"),
     _opt("model", "trust_remote_code", "HF_MODEL_TRUST_REMOTE_CODE"),
     _opt("model", "model_loading_timeout"),
+    _opt("model", "enforce_eager"),
     # batching
     _opt("batching", "rolling_batch"),
     _opt("batching", "max_rolling_batch_size", "MAX_BATCH_SIZE"),

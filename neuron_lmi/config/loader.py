@@ -117,8 +117,9 @@ def _collect_env(env: Mapping[str, str], origins: dict[str, Origin], ignored: di
         ignored[var] = f"env:{var}"
 
 
-# Shared keys that name something else when vLLM serves: LMI's option.quantize is vLLM's quantization.
-VLLM_RELEASED_FIELDS = ("quantize",)
+# Shared keys vLLM reads itself when it serves: LMI's option.quantize is vLLM's quantization, and
+# option.enforce_eager is vLLM's own switch (ours turns off the CPU engine's compiled decode).
+VLLM_RELEASED_FIELDS = ("quantize", "enforce_eager")
 OPTION_PREFIX = "option."
 OPTION_ENV_PREFIX = "OPTION_"
 

@@ -106,6 +106,8 @@ class ModelOptions(_Section):
     dtype: Dtype = "fp16"
     trust_remote_code: bool = False
     model_loading_timeout: float = Field(default=1800.0, gt=0, le=7 * 24 * 3600)
+    # vLLM's (and LMI's) switch off compiled graphs: the CPU engine then decodes eagerly too.
+    enforce_eager: bool = False
 
     @field_validator("dtype", mode="before")
     @classmethod

@@ -73,6 +73,10 @@ class CpuEngineOptions:
     quantize: str | None = None
     # bf16 matmul weights pre-packed for oneDNN (neuron_lmi.models.packed); dense weights only.
     pack_weights: bool = True
+    # Decode through one AOTInductor package with frozen weights (neuron_lmi.compile.cpu_decode),
+    # compiled once into the default compile cache. The server turns it on unless
+    # option.enforce_eager; off here so the library and the parity tests run eager.
+    compile_decode: bool = False
 
     def dtype_name(self) -> str:
         """``dtype`` with ``auto`` resolved for this host; the name the compile cache keys on."""
@@ -107,6 +111,7 @@ def build_cpu_engine_core(
 ) -> tuple[EngineCore, Any]:
     """Load weights and tokenizer, build the model and its runner; returns (core, config)."""
     from neuron_lmi.models.loader import load_tokenizer, resolve_model_path
+    from neuron_lmi.models.packed import pack_model
     from neuron_lmi.runners.cpu import CpuRunner
 
     if options.max_rolling_batch_size <= 0:
@@ -127,6 +132,11 @@ def build_cpu_engine_core(
         )  # fmt: skip
     else:
         runner = CpuRunner(model, options.max_rolling_batch_size, n_positions)
+        if options.compile_decode:
+            runner.compiled_decode = _compiled_decode(options, model, path, n_positions)
+    # After the decode graph, which traces dense weights; packing is for the eager runner.
+    if options.pack_weights and not (options.compiled or options.compiled_graph_path):
+        pack_model(model)
     log.info(
         "CPU engine: %s (%s), %d rows x %d positions, dtype %s, weights %s, KV cache %.1f MiB",
         ckpt.source,
@@ -148,7 +158,6 @@ def _load_model(options: CpuEngineOptions, path: Path) -> tuple[Any, Any, int]:
     then quantized (tensor parallelism splits dense weights, so it comes first)."""
     from neuron_lmi.models import build_model
     from neuron_lmi.models.loader import load_checkpoint
-    from neuron_lmi.models.packed import pack_model
     from neuron_lmi.models.quantize import quantize_model
 
     dtype = options.torch_dtype()
@@ -172,7 +181,14 @@ def _load_model(options: CpuEngineOptions, path: Path) -> tuple[Any, Any, int]:
         )
     if options.quantize is not None:
         quantize_model(model, options.quantize)
-    # The compiled runner traces the plain model; packing is for the eager runner.
-    if options.pack_weights and not (options.compiled or options.compiled_graph_path):
-        pack_model(model)
     return ckpt, model, n_positions
+
+
+def _compiled_decode(options: CpuEngineOptions, model: Any, path: Path, n_positions: int) -> Any:
+    """The decode package from the default compile cache (``$NEURON_LMI_CACHE_DIR``), compiled on
+    a miss unless ``no_compile``; None where the model or cache has none (logged)."""
+    from compile_cache import open_store
+    from neuron_lmi.compile.cpu_decode import open_compiled_decode
+
+    rows = options.max_rolling_batch_size
+    return open_compiled_decode(model, path, rows, n_positions, open_store(), options.no_compile)

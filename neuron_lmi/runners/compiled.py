@@ -23,6 +23,7 @@ import torch
 from cache_api import KVCache, RowTable
 from compile_cache import CompileCache, Entry, normalize_dtype, open_store
 from neuron_lmi.compile.cpu_aot import CompiledGraphs, CpuPlan, compile_cpu_entry, cpu_key_inputs
+from neuron_lmi.compile.graphs import padded_decode_inputs
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.runners.buckets import pick_bucket
 
@@ -90,15 +91,8 @@ class CompiledCpuRunner:
             raise ValueError("decode: rows and tokens differ in length")
         positions = self.cache.reserve_next(rows)
         attn_len = pick_bucket(self.token_buckets, int(positions.max()) + 1)
-        n = self.plan.n_rows
-        index = torch.tensor(list(rows), dtype=torch.long)
-        all_tokens = torch.zeros(n, dtype=torch.long)
-        all_positions = torch.zeros(n, dtype=torch.long)
-        active = torch.zeros(n, dtype=torch.bool)
-        all_tokens[index] = torch.tensor(list(tokens), dtype=torch.long)
-        all_positions[index] = positions
-        active[index] = True
-        (out,) = self.graphs.decode[attn_len]([all_tokens, all_positions, active, self.cache.k, self.cache.v])
+        step, step_pos, active, index = padded_decode_inputs(self.plan.n_rows, rows, tokens, positions)
+        (out,) = self.graphs.decode[attn_len]([step, step_pos, active, self.cache.k, self.cache.v])
         return out[index]
 
 

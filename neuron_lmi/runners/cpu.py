@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,6 +12,9 @@ from cache_api import RowTable
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.runners.base import ascending, in_asked_order
 from neuron_lmi.runners.buckets import chunk_buckets, pack_into_bins, pick_bucket, power_of_two_buckets
+
+if TYPE_CHECKING:
+    from neuron_lmi.compile.cpu_decode import CompiledDecode
 
 
 class CpuRunner:
@@ -21,6 +25,8 @@ class CpuRunner:
     attends over the smallest token-generation bucket that covers every active row. ``extend``
     (when the model supports it) appends chunks to rows that already hold a prefix, in pieces of at
     most the largest context bucket, so a prompt longer than that bucket is prefilled in chunks.
+    ``compiled_decode`` (set by the engine builder, ``compile.cpu_decode``) runs the decode steps it
+    covers; the rest, and everything else, run the eager model.
     """
 
     def __init__(
@@ -48,6 +54,7 @@ class CpuRunner:
             self.context_buckets.append(n_positions)
         self.token_buckets = power_of_two_buckets(n_positions)
         self.chunk_buckets = chunk_buckets(self.context_buckets[-1])
+        self.compiled_decode: CompiledDecode | None = None
 
     @property
     def rows(self) -> RowTable:
@@ -167,11 +174,16 @@ class CpuRunner:
         order = ascending(rows)
         ordered = [rows[i] for i in order]
         positions = self.cache.reserve_next(ordered)
+        ordered_tokens = [tokens[i] for i in order]
+        compiled = self.compiled_decode
+        if compiled is not None and compiled.covers(ordered, positions):
+            logits = compiled(ordered, ordered_tokens, positions, self.cache.k, self.cache.v)
+            return in_asked_order(logits, order)
         # Each row's length bucket: the model may group rows by it, so a long row does not make the
         # others read its length.
         attn_lens = [pick_bucket(self.token_buckets, p + 1) for p in positions.tolist()]
         logits = self.model.decode(
-            torch.tensor([tokens[i] for i in order], dtype=torch.long),
+            torch.tensor(ordered_tokens, dtype=torch.long),
             torch.tensor(ordered, dtype=torch.long),
             positions,
             self.cache.k,

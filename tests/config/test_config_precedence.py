@@ -163,3 +163,16 @@ def test_properties_format(tmp_path: Path):
 def test_properties_line_without_separator_names_the_line():
     with pytest.raises(ConfigError, match=r"line 2.*serving\.properties:x.*key=value"):
         parse_properties("engine=Python\njust words\n", "serving.properties:x")
+
+
+def test_enforce_eager_from_every_place_and_released_to_vllm(load, write_props):
+    """``option.enforce_eager`` turns off the CPU engine's compiled decode (``serve --enforce-eager``,
+    ``OPTION_ENFORCE_EAGER``); when vLLM serves, the key is vLLM's own engine argument instead."""
+    assert load().config.model.enforce_eager is False
+    assert load(env={"OPTION_ENFORCE_EAGER": "true"}).config.model.enforce_eager is True
+    resolved = load(cli={"enforce_eager": True}, properties=write_props("option.enforce_eager=false\n"))
+    assert resolved.config.model.enforce_eager is True and resolved.sources["enforce_eager"] == "cli"
+    with pytest.raises(ConfigError, match="OPTION_ENFORCE_EAGER='sometimes'"):
+        load(env={"OPTION_ENFORCE_EAGER": "sometimes"})
+    vllm = load(properties=write_props("option.rolling_batch=vllm\noption.enforce_eager=true\n", "v"))
+    assert "enforce_eager" in vllm.backend_options and vllm.config.model.enforce_eager is False

@@ -1,0 +1,91 @@
+"""The compiled decode (``compile.cpu_decode``): the same greedy tokens as the eager runner, one
+compile per model and shape (then a cache hit), eager wherever the package does not reach."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuron_lmi.compile import cpu_decode
+from neuron_lmi.engine.llm import LLM
+from neuron_lmi.engine.types import SamplingParams
+from tests.compile.conftest import load_tiny
+
+pytestmark = pytest.mark.slow
+
+N_ROWS, N_POSITIONS = 4, 128
+
+
+def _llm(model_dir: Path, **options: object) -> LLM:
+    return LLM(str(model_dir), max_rolling_batch_size=N_ROWS, n_positions=N_POSITIONS, **options)
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_mistral_dir"])
+def test_compiled_decode_equals_eager_token_for_token(
+    model: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six requests on four rows join and leave mid-batch, so steps run on windows with idle rows;
+    Mistral's 16-token sliding window is crossed; one row fills all 128 positions, so its last step
+    (attention over the whole cache) runs eagerly."""
+    monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
+    model_dir = request.getfixturevalue(model)
+    eager, compiled = _llm(model_dir), _llm(model_dir, compile_decode=True)
+    package = compiled.core.runner.compiled_decode
+    assert eager.core.runner.compiled_decode is None and package is not None
+    ids = list(range(300, 420))
+    prompts = [ids[:3], ids[:40], ids[:100], ids[5:6], ids[10:30], ids[:64]]
+    new = (12, 5, 28, 9, 40, 7)  # the 100-token prompt plus 28 tokens fills 128 positions
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in new]
+    want = [c.token_ids for c in eager.generate(prompts, params)]
+    got = [c.token_ids for c in compiled.generate(prompts, params)]
+    assert got == want
+    assert [len(t) for t in got] == list(new)
+    assert package.steps > 30  # the decode steps ran in the package, not eagerly
+    assert not package.covers([0], torch.tensor([N_POSITIONS - 1]))  # the full-cache step: eager
+    assert compiled.core.runner.rows.in_use() == []
+
+
+def test_second_start_loads_from_the_cache_without_compiling(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
+    first = _llm(tiny_llama_dir, compile_decode=True)
+    assert first.core.runner.compiled_decode is not None
+    assert list(tmp_path.rglob(cpu_decode.PACKAGE_FILE))
+
+    def fail(*_: object) -> None:
+        raise AssertionError("compiled again on a cache hit")
+
+    monkeypatch.setattr(cpu_decode, "compile_decode_package", fail)
+    second = _llm(tiny_llama_dir, compile_decode=True)
+    assert second.core.runner.compiled_decode is not None
+    prompt, params = [list(range(50, 70))], [SamplingParams(max_new_tokens=6, temperature=0.0)]
+    assert [c.token_ids for c in second.generate(prompt, params)] == [
+        c.token_ids for c in first.generate(prompt, params)
+    ]
+    # With no_compile and an empty store the miss is an error, not a silent compile.
+    from compile_cache import CacheMissError
+
+    monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path / "empty"))
+    with pytest.raises(CacheMissError):
+        _llm(tiny_llama_dir, compile_decode=True, no_compile=True)
+
+
+def test_models_and_caches_without_a_decode_graph(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from neuron_lmi.models.quantize import quantize_model
+    from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
+
+    dense = load_tiny(tiny_llama_dir)
+    assert cpu_decode.decode_unsupported(dense, N_ROWS, N_POSITIONS) is None
+    assert "too small" in (cpu_decode.decode_unsupported(dense, 1, N_POSITIONS) or "")
+    quantized = load_tiny(tiny_llama_dir)
+    quantize_model(quantized, "int8")
+    assert "quantized" in (cpu_decode.decode_unsupported(quantized, N_ROWS, N_POSITIONS) or "")
+    moe = load_tiny(make_tiny_checkpoint(tmp_path / "mixtral", "mixtral"))
+    assert "DecoderLayer" in (cpu_decode.decode_unsupported(moe, N_ROWS, N_POSITIONS) or "")
+    key = cpu_decode.decode_key_inputs(dense, tiny_llama_dir, N_ROWS, N_POSITIONS)
+    # Frozen weights: the key hashes their values, not only their names and shapes.
+    assert key.weights_fingerprint is not None and key.weights_fingerprint.startswith("content:")
+    assert key.key() != cpu_decode.decode_key_inputs(dense, tiny_llama_dir, N_ROWS + 1, N_POSITIONS).key()
