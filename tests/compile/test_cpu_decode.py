@@ -47,6 +47,20 @@ def test_compiled_decode_equals_eager_token_for_token(
     assert compiled.core.runner.rows.in_use() == []
 
 
+def test_a_window_mostly_of_idle_rows_decodes_eagerly() -> None:
+    """The window runs rows 0..highest: one request in a high row would pay for all the rows below."""
+    limit = cpu_decode.sparse_window_limit
+    assert limit(1) == 6 and limit(16) == 36
+    decode = cpu_decode.CompiledDecode.__new__(cpu_decode.CompiledDecode)
+    decode.n_rows, decode.n_positions = 64, 128
+    at = torch.tensor([10])
+    assert decode.covers([0], at) and decode.covers([5], at)
+    assert not decode.covers([6], at) and not decode.covers([40], at)
+    assert not decode.covers([3, 9, 20], torch.tensor([10, 11, 12]))  # 21 rows for 3: eager
+    assert decode.covers(list(range(8)), torch.full((8,), 10))
+    assert not decode.covers(list(range(8)), torch.full((8,), 127))  # the full-cache step: eager
+
+
 def test_second_start_loads_from_the_cache_without_compiling(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
