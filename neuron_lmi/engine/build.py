@@ -6,12 +6,15 @@ import logging
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.scheduler import JoinPolicy
+
+if TYPE_CHECKING:
+    from neuron_lmi.compile.cpu_decode import CompiledDecode
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +187,9 @@ def _load_model(options: CpuEngineOptions, path: Path) -> tuple[Any, Any, int]:
     return ckpt, model, n_positions
 
 
-def _compiled_decode(options: CpuEngineOptions, model: Any, path: Path, n_positions: int) -> Any:
+def _compiled_decode(
+    options: CpuEngineOptions, model: Any, path: Path, n_positions: int
+) -> CompiledDecode | None:
     """The decode package from the default compile cache (``$NEURON_LMI_CACHE_DIR``), compiled on
     a miss unless ``no_compile``; None where the model or cache has none (logged)."""
     from compile_cache import open_store
