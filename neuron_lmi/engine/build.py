@@ -137,9 +137,9 @@ def build_cpu_engine_core(
         runner = CpuRunner(model, options.max_rolling_batch_size, n_positions)
         if options.compile_decode:
             runner.compiled_decode = _compiled_decode(options, model, path, n_positions)
-    # After the decode graph, which traces dense weights; packing is for the eager runner.
-    if options.pack_weights and not (options.compiled or options.compiled_graph_path):
-        pack_model(model)
+        # After the decode graph, which traces dense weights; packing is for the eager runner.
+        if options.pack_weights:
+            pack_model(model)
     log.info(
         "CPU engine: %s (%s), %d rows x %d positions, dtype %s, weights %s, KV cache %.1f MiB",
         ckpt.source,
