@@ -7,7 +7,11 @@ tensor-parallel rank's shard of them, and the device-resident cache of the Neuro
 A freed row may *retain* its first positions (prefix reuse): it is free, but its K/V stay readable
 until the row is allocated again, so a later request with the same prefix can claim it whole
 (``allocate(row, keep)``) instead of recomputing it. Free rows that retain nothing are handed out
-first; retained rows go least recently freed first::
+first, then retained rows, lowest first too: rows in use stay packed at the front of the cache, so a
+decode step's rows are a short slice (a lone request in row 17 would make a compiled decode window
+of 18 rows). Eviction order is by row, not by age: a prompt that matches a retained row claims it
+before any allocation, prompts that match nothing churn through the lowest rows, and prefixes kept
+in higher rows live longest::
 
     in use:        0 [a a a a a .. ..]   length 5
     free, clean:   1 [.. .. .. .. .. ..]  handed out first (lowest row first)
@@ -17,7 +21,6 @@ first; retained rows go least recently freed first::
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -47,8 +50,8 @@ class RowTable:
 
     Invariants: a row is either free (length 0) or in use; a free row is either clean or retains a
     prefix of ``retained(row)`` positions; ``allocate()`` hands out the lowest clean row (so active
-    rows stay packed at the front, which keeps decode slices contiguous), else the least recently
-    freed retained row; a length never exceeds ``n_positions``; ``generation(row)`` counts the
+    rows stay packed at the front, which keeps decode slices contiguous), else the lowest retained
+    row; a length never exceeds ``n_positions``; ``generation(row)`` counts the
     row's allocations, so a reader that saw a retained row can tell whether it was reused since.
     """
 
@@ -60,7 +63,7 @@ class RowTable:
         self.n_rows = n_rows
         self.n_positions = n_positions
         self._free: list[int] = list(range(n_rows))  # clean free rows, a heap
-        self._retained: OrderedDict[int, int] = OrderedDict()  # free row -> kept positions, LRU first
+        self._retained: dict[int, int] = {}  # free row -> kept positions
         self._in_use = [False] * n_rows
         self._lengths = [0] * n_rows
         self._generation = [0] * n_rows
@@ -74,7 +77,8 @@ class RowTable:
             if self._free:
                 row = heapq.heappop(self._free)
             elif self._retained:
-                row, _ = self._retained.popitem(last=False)
+                row = min(self._retained)
+                del self._retained[row]
             else:
                 raise CacheFullError(f"all {self.n_rows} KV rows are in use")
         else:

@@ -134,7 +134,7 @@ class CompiledDecode:
     def covers(self, rows: Sequence[int], positions: torch.Tensor) -> bool:
         """Rows ascending. The window is rows ``0..rows[-1]`` (at least ``MIN_ROWS``); the attention
         length is the largest position + 1, which must stay under ``n_positions``. A window mostly
-        of idle rows (a lone request in row 17: prefix reuse hands out retained rows LRU-first)
+        of idle rows (a lone request in row 17: a prefix hit claims its retained row wherever it is)
         costs more than the eager step on the stepping rows alone, so it is left to eager."""
         window = max(MIN_ROWS, rows[-1] + 1)
         if window > sparse_window_limit(len(rows)) or window > self.n_rows:

@@ -174,14 +174,14 @@ def test_a_removed_row_can_retain_its_prefix_until_claimed():
     assert torch.equal(cache.row_keys(a)[0], keys[:, :, :3])
 
 
-def test_retained_rows_are_reallocated_least_recently_freed_first():
+def test_retained_rows_are_reallocated_lowest_first():
     cache = make_cache()
     rows = [cache.allocate() for _ in range(ROWS)]
     for row in rows:
         cache.insert(row, *kv(2, 1.0))
     for row in (2, 0, 1):
         cache.remove(row, keep=2)
-    assert [cache.allocate() for _ in range(ROWS)] == [2, 0, 1]
+    assert [cache.allocate() for _ in range(ROWS)] == [0, 1, 2]
     assert all(cache.rows.retained(r) == 0 and cache.rows.length(r) == 0 for r in rows)
 
 
