@@ -58,7 +58,7 @@ def add_parser(subparsers: Any) -> None:
         "--enforce-eager",
         action="store_true",
         default=None,
-        help="option.enforce_eager: no compiled graphs (CPU: decode eagerly instead of the compiled decode)",
+        help="option.enforce_eager: no compiled graphs (CPU: decode and prefill eagerly)",
     )
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also NEURON_LMI_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, help="refuse larger request bodies with 413")

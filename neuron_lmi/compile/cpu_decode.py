@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
 from types import MappingProxyType
@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 PACKAGE_FILE = "decode.pt2"
 # Baked into the package and part of the key. Weights live inside the package: they are frozen.
 DECODE_INDUCTOR_CONFIGS = MappingProxyType({"freezing": True, "aot_inductor.package_constants_in_so": True})
-# Bump when WindowDecodeGraph or the inputs below change what a package computes or expects.
-DECODE_GRAPH_VERSION = 1
+# Per graph: bump when WindowDecodeGraph / ExtendGraph or their inputs change what a package
+# computes or expects (the version is part of the key, so old entries stop matching).
+GRAPH_VERSIONS = MappingProxyType({"window-decode": 1, "extend": 1})
 MIN_ROWS = 2  # exported sizes start at 2: torch.export specialises a dimension of size 1
 
 
@@ -72,15 +73,20 @@ def decode_unsupported(model: LlamaForCausalLM, n_rows: int, n_positions: int) -
 
 
 def decode_key_inputs(
-    model: LlamaForCausalLM, weights_path: str | Path, n_rows: int, n_positions: int
+    model: LlamaForCausalLM,
+    weights_path: str | Path,
+    n_rows: int,
+    n_positions: int,
+    graph: str = "window-decode",
 ) -> CacheKeyInputs:
-    """The compile-cache key of the decode package for ``model`` over an ``n_rows x n_positions``
-    cache. One dynamic graph covers every length, so both bucket lists are ``(n_positions,)``."""
+    """The compile-cache key of a frozen-weights package (``graph``: ``window-decode`` here,
+    ``extend`` for ``cpu_extend``) for ``model`` over an ``n_rows x n_positions`` cache. One dynamic
+    graph covers every length, so both bucket lists are ``(n_positions,)``."""
     flags = (
         *(f"{k}={v}" for k, v in sorted(DECODE_INDUCTOR_CONFIGS.items())),
         f"cpu_capability={cpu_capability()}",
-        f"decode_graph_version={DECODE_GRAPH_VERSION}",
-        "graph=window-decode",
+        f"decode_graph_version={GRAPH_VERSIONS[graph]}",
+        f"graph={graph}",
     )
     return CacheKeyInputs(
         architecture=architecture_description(model),
@@ -159,6 +165,47 @@ class CompiledDecode:
         return out[index]
 
 
+CompilePackage = Callable[[LlamaForCausalLM, int, int, Path], None]
+
+
+def open_frozen_package(
+    graph: str,
+    compile_package: CompilePackage,
+    model: LlamaForCausalLM,
+    weights_path: str | Path,
+    n_rows: int,
+    n_positions: int,
+    cache: CompileCache,
+    no_compile: bool = False,
+) -> Path | None:
+    """The folder of ``graph``'s package for ``model`` in ``cache``, compiled on a miss by
+    ``compile_package(model, n_rows, n_positions, folder)`` (unless ``no_compile``: then
+    ``CacheMissError``). None, with the reason logged, where ``decode_unsupported``."""
+    reason = decode_unsupported(model, n_rows, n_positions)
+    if reason is not None:
+        log.info("compiled %s off: %s; running it eagerly", graph, reason)
+        return None
+    started = time.monotonic()
+    inputs = decode_key_inputs(model, weights_path, n_rows, n_positions, graph)
+    compiled: list[bool] = []
+
+    def compile_fn(out: Path) -> None:
+        compiled.append(True)
+        log.info("compile cache miss key=%s: compiling the %s graph (minutes)", inputs.key(), graph)
+        compile_package(model, n_rows, n_positions, out)
+
+    entry = cache.get_or_compile(inputs, compile_fn, no_compile=no_compile)
+    log.info(
+        "compiled %s: key=%s %s in %.1fs (%s)",
+        graph,
+        entry.key,
+        "compiled" if compiled else "loaded",
+        time.monotonic() - started,
+        entry.path,
+    )
+    return entry.path
+
+
 def open_compiled_decode(
     model: LlamaForCausalLM,
     weights_path: str | Path,
@@ -167,28 +214,8 @@ def open_compiled_decode(
     cache: CompileCache,
     no_compile: bool = False,
 ) -> CompiledDecode | None:
-    """The decode package for ``model`` from ``cache``, compiled on a miss (unless ``no_compile``:
-    then ``CacheMissError``). None, with the reason logged, where ``decode_unsupported``."""
-    reason = decode_unsupported(model, n_rows, n_positions)
-    if reason is not None:
-        log.info("compiled decode off: %s; decoding eagerly", reason)
-        return None
-    started = time.monotonic()
-    inputs = decode_key_inputs(model, weights_path, n_rows, n_positions)
-    compiled: list[bool] = []
-
-    def compile_fn(out: Path) -> None:
-        compiled.append(True)
-        log.info("compile cache miss key=%s: compiling the decode graph (a minute or more)", inputs.key())
-        compile_decode_package(model, n_rows, n_positions, out)
-
-    entry = cache.get_or_compile(inputs, compile_fn, no_compile=no_compile)
-    decode = CompiledDecode(entry.path / PACKAGE_FILE, n_rows, n_positions)
-    log.info(
-        "compiled decode: key=%s %s in %.1fs (%s)",
-        entry.key,
-        "compiled" if compiled else "loaded",
-        time.monotonic() - started,
-        entry.path,
+    """The decode package for ``model`` from ``cache`` (``open_frozen_package``)."""
+    folder = open_frozen_package(
+        "window-decode", compile_decode_package, model, weights_path, n_rows, n_positions, cache, no_compile
     )
-    return decode
+    return None if folder is None else CompiledDecode(folder / PACKAGE_FILE, n_rows, n_positions)

@@ -145,6 +145,56 @@ class WindowDecodeGraph(_Graph):
     forward = decode_rows
 
 
+def extend_rows(
+    graph: _Graph,
+    tokens: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    key_pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """Append right-padded chunks ``tokens`` ``[n, T]`` to cache ``rows``, which hold ``starts``
+    positions; ``lengths`` real tokens each. Every token attends causally over its row's first
+    ``len(key_pos)`` positions (cached prefix + chunk). Padding token j of a row sits at position
+    ``start + j`` and rewrites what that slot holds, so the caller keeps ``start + T`` within the
+    cache. Returns the logits of each chunk's last real token, ``[n, vocab]`` fp32."""
+    m = graph.model
+    n, t = tokens.shape
+    offsets = torch.arange(t)
+    positions = starts[:, None] + offsets[None, :]
+    keep = (offsets[None, :] < lengths[:, None])[:, :, None, None]
+    cos, sin = graph.rope_cos[positions], graph.rope_sin[positions]
+    mask = m.window_mask(positions[:, :, None], key_pos[None, None, :]).unsqueeze(1)
+    x = F.embedding(tokens, m.embed)
+    for i, layer in enumerate(m.layers):
+        q, k, v = layer.qkv(x)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        slot = (torch.full_like(positions, i), rows[:, None], slice(None), positions)
+        k_cache[slot] = torch.where(keep, k.transpose(1, 2), k_cache[slot])
+        v_cache[slot] = torch.where(keep, v.transpose(1, 2), v_cache[slot])
+        length = key_pos.shape[0]
+        k_all, v_all = k_cache[i, rows, :, :length], v_cache[i, rows, :, :length]
+        attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=m.scale, enable_gqa=True)
+        x = x + layer.attn_out(attn)
+        x = x + layer.mlp(x)
+    return m.logits(x[torch.arange(n), lengths - 1])
+
+
+class ExtendGraph(_Graph):
+    """One extend step (prefill is an extend from position 0): ``n`` rows, each given a chunk of up
+    to ``T`` tokens, attending over ``L`` positions; ``n``, ``T`` and ``L`` come from the inputs'
+    shapes, so one graph exported with all three dynamic serves every prompt batch and chunk.
+
+    Inputs: ``tokens`` int64 ``[n, T]``, ``rows``/``starts``/``lengths`` int64 ``[n]``, ``key_pos``
+    int64 ``[L]`` (``arange(L)``, ``L >= start + length`` for every row, ``L < n_positions``),
+    ``k_cache``/``v_cache`` (mutated). Output: fp32 logits ``[n, vocab]``.
+    """
+
+    forward = extend_rows
+
+
 class PrefillGraph(_Graph):
     """Encode one prompt right-padded to ``length`` = the context bucket, into cache row ``row``.
 

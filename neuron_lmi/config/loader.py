@@ -118,7 +118,7 @@ def _collect_env(env: Mapping[str, str], origins: dict[str, Origin], ignored: di
 
 
 # Shared keys vLLM reads itself when it serves: LMI's option.quantize is vLLM's quantization, and
-# option.enforce_eager is vLLM's own switch (ours turns off the CPU engine's compiled decode).
+# option.enforce_eager is vLLM's own switch (ours turns off the CPU engine's compiled graphs).
 VLLM_RELEASED_FIELDS = ("quantize", "enforce_eager")
 OPTION_PREFIX = "option."
 OPTION_ENV_PREFIX = "OPTION_"

@@ -14,7 +14,7 @@ from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.scheduler import JoinPolicy
 
 if TYPE_CHECKING:
-    from neuron_lmi.compile.cpu_decode import CompiledDecode
+    from neuron_lmi.runners.cpu import CpuRunner
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +76,11 @@ class CpuEngineOptions:
     quantize: str | None = None
     # bf16 matmul weights pre-packed for oneDNN (neuron_lmi.models.packed); dense weights only.
     pack_weights: bool = True
-    # Decode through one AOTInductor package with frozen weights (neuron_lmi.compile.cpu_decode),
-    # compiled once into the default compile cache. The server turns it on unless
-    # option.enforce_eager; off here so the library and the parity tests run eager.
-    compile_decode: bool = False
+    # Decode, prefill and extend through AOTInductor packages with frozen weights
+    # (neuron_lmi.compile.cpu_decode, cpu_extend), compiled once into the default compile cache. The
+    # server turns them on unless option.enforce_eager; off here so the library and the parity
+    # tests run eager.
+    compile_graphs: bool = False
 
     def dtype_name(self) -> str:
         """``dtype`` with ``auto`` resolved for this host; the name the compile cache keys on."""
@@ -135,9 +136,9 @@ def build_cpu_engine_core(
         )  # fmt: skip
     else:
         runner = CpuRunner(model, options.max_rolling_batch_size, n_positions)
-        if options.compile_decode:
-            runner.compiled_decode = _compiled_decode(options, model, path, n_positions)
-        # After the decode graph, which traces dense weights; packing is for the eager runner.
+        if options.compile_graphs:
+            _open_compiled_graphs(runner, options, path)
+        # After the compiled graphs, which trace dense weights; packing is for the eager runner.
         if options.pack_weights:
             pack_model(model)
     log.info(
@@ -187,13 +188,14 @@ def _load_model(options: CpuEngineOptions, path: Path) -> tuple[Any, Any, int]:
     return ckpt, model, n_positions
 
 
-def _compiled_decode(
-    options: CpuEngineOptions, model: Any, path: Path, n_positions: int
-) -> CompiledDecode | None:
-    """The decode package from the default compile cache (``$NEURON_LMI_CACHE_DIR``), compiled on
-    a miss unless ``no_compile``; None where the model or cache has none (logged)."""
+def _open_compiled_graphs(runner: CpuRunner, options: CpuEngineOptions, path: Path) -> None:
+    """The decode and extend packages from the default compile cache (``$NEURON_LMI_CACHE_DIR``),
+    compiled on a miss unless ``no_compile``; none where the model or cache has none (logged)."""
     from compile_cache import open_store
     from neuron_lmi.compile.cpu_decode import open_compiled_decode
+    from neuron_lmi.compile.cpu_extend import open_compiled_extend
 
-    rows = options.max_rolling_batch_size
-    return open_compiled_decode(model, path, rows, n_positions, open_store(), options.no_compile)
+    shape = (options.max_rolling_batch_size, runner.n_positions)
+    store, no_compile = open_store(), options.no_compile
+    runner.compiled_decode = open_compiled_decode(runner.model, path, *shape, store, no_compile)
+    runner.compiled_extend = open_compiled_extend(runner.model, path, *shape, store, no_compile)

@@ -15,6 +15,7 @@ from neuron_lmi.runners.buckets import chunk_buckets, pack_into_bins, pick_bucke
 
 if TYPE_CHECKING:
     from neuron_lmi.compile.cpu_decode import CompiledDecode
+    from neuron_lmi.compile.cpu_extend import CompiledExtend
 
 
 class CpuRunner:
@@ -25,8 +26,10 @@ class CpuRunner:
     attends over the smallest token-generation bucket that covers every active row. ``extend``
     (when the model supports it) appends chunks to rows that already hold a prefix, in pieces of at
     most the largest context bucket, so a prompt longer than that bucket is prefilled in chunks.
-    ``compiled_decode`` (set by the engine builder, ``compile.cpu_decode``) runs the decode steps it
-    covers; the rest, and everything else, run the eager model.
+    ``compiled_decode`` and ``compiled_extend`` (set by the engine builder, ``compile.cpu_decode``
+    and ``compile.cpu_extend``) run the decode and extend steps they cover; with a compiled extend,
+    a prefill is an extend from position 0 (no buckets or packing: the graph takes any length).
+    The rest run the eager model.
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class CpuRunner:
         self.token_buckets = power_of_two_buckets(n_positions)
         self.chunk_buckets = chunk_buckets(self.context_buckets[-1])
         self.compiled_decode: CompiledDecode | None = None
+        self.compiled_extend: CompiledExtend | None = None
 
     @property
     def rows(self) -> RowTable:
@@ -63,6 +67,8 @@ class CpuRunner:
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         if len(rows) != len(prompts):
             raise ValueError("prefill: rows and prompts differ in length")
+        if self.compiled_extend is not None and all(prompts) and not any(self.rows.lengths(rows)):
+            return self.extend(rows, prompts)
         longest = self.context_buckets[-1]
         long = [i for i, p in enumerate(prompts) if len(p) > longest]
         if long and self.supports_extend:  # the head as usual, the rest in chunks
@@ -150,16 +156,20 @@ class CpuRunner:
         return logits
 
     def _extend_bucket(self, rows: list[int], pieces: list[list[int]], bucket: int) -> torch.Tensor:
-        tokens = torch.zeros(len(rows), bucket, dtype=torch.long)
-        for i, piece in enumerate(pieces):
-            tokens[i, : len(piece)] = torch.tensor(piece, dtype=torch.long)
         starts = self.rows.lengths(rows)
         lengths = [len(p) for p in pieces]
-        attn_len = pick_bucket(self.token_buckets, max(s + n for s, n in zip(starts, lengths, strict=True)))
-        out = self.model.extend(
-            tokens, torch.tensor(rows, dtype=torch.long), torch.tensor(starts, dtype=torch.long), lengths,
-            self.cache.k, self.cache.v, attn_len,
-        )  # fmt: skip
+        compiled = self.compiled_extend
+        if compiled is not None and compiled.covers(starts, lengths):
+            out = compiled(rows, pieces, starts, self.cache.k, self.cache.v)
+        else:
+            tokens = torch.zeros(len(rows), bucket, dtype=torch.long)
+            for i, piece in enumerate(pieces):
+                tokens[i, : len(piece)] = torch.tensor(piece, dtype=torch.long)
+            ends = max(s + n for s, n in zip(starts, lengths, strict=True))
+            out = self.model.extend(
+                tokens, torch.tensor(rows, dtype=torch.long), torch.tensor(starts, dtype=torch.long),
+                lengths, self.cache.k, self.cache.v, pick_bucket(self.token_buckets, ends),
+            )  # fmt: skip
         for row, start, n in zip(rows, starts, lengths, strict=True):
             self.rows.set_length(row, start + n)
         return out

@@ -81,7 +81,7 @@ def _sagemaker_env(model_dir: Path, port: int, extra: Mapping[str, str] | None =
     assert model_dir.name == "model", model_dir
     env = {k: v for k, v in os.environ.items() if not k.startswith(STRIPPED_PREFIXES)}
     env.update(NEURON_LMI_SAGEMAKER_ROOT=str(model_dir.parent), SAGEMAKER_BIND_TO_PORT=str(port))
-    # Eager decode, as in tests/server/conftest.py: the compiled decode has its own tests.
+    # Eager, as in tests/server/conftest.py: the compiled graphs have their own tests.
     env.update(HF_HUB_OFFLINE="1", OPTION_ENFORCE_EAGER="true")
     env.update(extra or {})
     return env

@@ -11,8 +11,8 @@ from neuron_lmi.backends.builders.common import DEFAULT_PREFILL_TOKENS, fetch, m
 
 def build_cpu_engine(request: registry.BuildRequest) -> Any:
     """The model is fetched first (built-in, local, s3://, Hub); unless a dtype was given, bf16 on
-    CPUs with native bf16 matmuls and fp32 elsewhere (``engine.build.default_cpu_dtype``). Decode
-    runs a compiled graph (``compile.cpu_decode``) unless ``option.enforce_eager``."""
+    CPUs with native bf16 matmuls and fp32 elsewhere (``engine.build.default_cpu_dtype``). Decode and
+    prefill run compiled graphs (``compile.cpu_decode``, ``cpu_extend``) unless ``option.enforce_eager``."""
     from neuron_lmi.engine.build import resolve_cpu_dtype
     from neuron_lmi.engine.process_engine import ProcessEngine
 
@@ -33,7 +33,7 @@ def build_cpu_engine(request: registry.BuildRequest) -> Any:
         context_length_estimate=cfg.batching.context_length_estimate,
         quantize=cfg.neuron.quantize,  # option.quantize: int8/int4 weight-only on CPU
         # The decode graph compiled once into the compile cache, unless option.enforce_eager.
-        compile_decode=not cfg.model.enforce_eager,
+        compile_graphs=not cfg.model.enforce_eager,
     )
     engine.model_name = model_name(resolved)
     engine.dtype = dtype  # what /describe reports as model_dtype

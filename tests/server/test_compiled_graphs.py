@@ -1,5 +1,5 @@
-"""``neuron-lmi serve`` as shipped: the CPU engine decodes through the compiled graph unless
-``option.enforce_eager``, and its greedy tokens over HTTP are the eager engine's."""
+"""``neuron-lmi serve`` as shipped: the CPU engine prefills and decodes through compiled graphs
+unless ``option.enforce_eager``, and its greedy tokens over HTTP are the eager engine's."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from tests.server.conftest import ServerProcess, direct_greedy, start_server
 pytestmark = pytest.mark.slow
 
 
-def test_serve_defaults_to_the_compiled_decode(
+def test_serve_defaults_to_the_compiled_graphs(
     tiny_llama_dir: Path, tmp_path: Path, direct_engine, tiny_server: ServerProcess
 ) -> None:
-    # The other tests' server runs with OPTION_ENFORCE_EAGER=true: no decode graph at all.
-    assert "compiled decode" not in tiny_server.log.read_text()
+    # The other tests' server runs with OPTION_ENFORCE_EAGER=true: no compiled graph at all.
+    assert "compiled window-decode" not in tiny_server.log.read_text()
+    assert "compiled extend" not in tiny_server.log.read_text()
     args = ["--max-rolling-batch-size", "8", "--n-positions", "256", "--dtype", "fp32"]
     env = {"OPTION_ENFORCE_EAGER": "false", "NEURON_LMI_CACHE_DIR": str(tmp_path / "cache")}
     server = start_server(tiny_llama_dir, tmp_path, args, env=env)
@@ -33,5 +34,5 @@ def test_serve_defaults_to_the_compiled_decode(
     finally:
         assert server.stop() == 0
     log = server.log.read_text()
-    assert "compiled decode: key=" in log and "compiled in" in log, log[-3000:]
-    assert list((tmp_path / "cache").rglob("decode.pt2"))
+    assert "compiled window-decode: key=" in log and "compiled extend: key=" in log, log[-3000:]
+    assert list((tmp_path / "cache").rglob("decode.pt2")) and list((tmp_path / "cache").rglob("extend.pt2"))

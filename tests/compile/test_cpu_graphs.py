@@ -1,5 +1,6 @@
-"""The compiled decode (``compile.cpu_decode``): the same greedy tokens as the eager runner, one
-compile per model and shape (then a cache hit), eager wherever the package does not reach."""
+"""The compiled decode and extend (``compile.cpu_decode``, ``cpu_extend``): the same greedy tokens
+and cache contents as the eager runner, one compile per model and shape (then a cache hit), eager
+wherever a package does not reach."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuron_lmi.compile import cpu_decode
+from neuron_lmi.compile import cpu_decode, cpu_extend
 from neuron_lmi.engine.llm import LLM
 from neuron_lmi.engine.types import SamplingParams
 from tests.compile.conftest import load_tiny
@@ -23,17 +24,19 @@ def _llm(model_dir: Path, **options: object) -> LLM:
 
 
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_mistral_dir"])
-def test_compiled_decode_equals_eager_token_for_token(
+def test_compiled_graphs_equal_eager_token_for_token(
     model: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Six requests on four rows join and leave mid-batch, so steps run on windows with idle rows;
     Mistral's 16-token sliding window is crossed; one row fills all 128 positions, so its last step
-    (attention over the whole cache) runs eagerly."""
+    (attention over the whole cache) runs eagerly. Prompts are prefilled by the compiled extend,
+    those sharing a 16-token prefix with a running or retained row extend after a copied prefix."""
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
     model_dir = request.getfixturevalue(model)
-    eager, compiled = _llm(model_dir), _llm(model_dir, compile_decode=True)
-    package = compiled.core.runner.compiled_decode
-    assert eager.core.runner.compiled_decode is None and package is not None
+    eager, compiled = _llm(model_dir), _llm(model_dir, compile_graphs=True)
+    package, extend = compiled.core.runner.compiled_decode, compiled.core.runner.compiled_extend
+    assert eager.core.runner.compiled_decode is None and eager.core.runner.compiled_extend is None
+    assert package is not None and extend is not None
     ids = list(range(300, 420))
     prompts = [ids[:3], ids[:40], ids[:100], ids[5:6], ids[10:30], ids[:64]]
     new = (12, 5, 28, 9, 40, 7)  # the 100-token prompt plus 28 tokens fills 128 positions
@@ -43,6 +46,7 @@ def test_compiled_decode_equals_eager_token_for_token(
     assert got == want
     assert [len(t) for t in got] == list(new)
     assert package.steps > 30  # the decode steps ran in the package, not eagerly
+    assert extend.steps >= 3  # and the prefills in the other one
     assert not package.covers([0], torch.tensor([N_POSITIONS - 1]))  # the full-cache step: eager
     assert compiled.core.runner.rows.in_use() == []
 
@@ -65,16 +69,17 @@ def test_second_start_loads_from_the_cache_without_compiling(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
-    first = _llm(tiny_llama_dir, compile_decode=True)
+    first = _llm(tiny_llama_dir, compile_graphs=True)
     assert first.core.runner.compiled_decode is not None
-    assert list(tmp_path.rglob(cpu_decode.PACKAGE_FILE))
+    assert list(tmp_path.rglob(cpu_decode.PACKAGE_FILE)) and list(tmp_path.rglob(cpu_extend.PACKAGE_FILE))
 
     def fail(*_: object) -> None:
         raise AssertionError("compiled again on a cache hit")
 
     monkeypatch.setattr(cpu_decode, "compile_decode_package", fail)
-    second = _llm(tiny_llama_dir, compile_decode=True)
-    assert second.core.runner.compiled_decode is not None
+    monkeypatch.setattr(cpu_extend, "compile_extend_package", fail)
+    second = _llm(tiny_llama_dir, compile_graphs=True)
+    assert second.core.runner.compiled_decode is not None and second.core.runner.compiled_extend is not None
     prompt, params = [list(range(50, 70))], [SamplingParams(max_new_tokens=6, temperature=0.0)]
     assert [c.token_ids for c in second.generate(prompt, params)] == [
         c.token_ids for c in first.generate(prompt, params)
@@ -84,7 +89,7 @@ def test_second_start_loads_from_the_cache_without_compiling(
 
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path / "empty"))
     with pytest.raises(CacheMissError):
-        _llm(tiny_llama_dir, compile_decode=True, no_compile=True)
+        _llm(tiny_llama_dir, compile_graphs=True, no_compile=True)
 
 
 def test_models_and_caches_without_a_decode_graph(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -103,3 +108,39 @@ def test_models_and_caches_without_a_decode_graph(tiny_llama_dir: Path, tmp_path
     # Frozen weights: the key hashes their values, not only their names and shapes.
     assert key.weights_fingerprint is not None and key.weights_fingerprint.startswith("content:")
     assert key.key() != cpu_decode.decode_key_inputs(dense, tiny_llama_dir, N_ROWS + 1, N_POSITIONS).key()
+    extend_key = cpu_decode.decode_key_inputs(dense, tiny_llama_dir, N_ROWS, N_POSITIONS, "extend")
+    assert extend_key.key() != key.key()  # two graphs, two entries
+
+
+def test_compiled_extend_writes_the_cache_and_logits_eager_does(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Row by row against ``LlamaForCausalLM.extend``: one row and one token (the smallest sizes
+    the graph takes), and three rows of different lengths after different prefixes (padding
+    writes leave the slots after each chunk as they were)."""
+    monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
+    runner = _llm(tiny_llama_dir, compile_graphs=True).core.runner
+    extend = runner.compiled_extend
+    assert extend is not None
+    k, v = runner.cache.k, runner.cache.v
+    torch.manual_seed(0)
+    k.normal_()
+    v.normal_()
+    for rows, chunks, starts in (([2], [[7]], [5]), ([0, 1, 3], [[5, 6, 7], [9] * 11, [11, 12]], [0, 40, 9])):
+        before_k, before_v = k.clone(), v.clone()
+        got = extend(rows, chunks, starts, k, v)
+        got_k, got_v = k.clone(), v.clone()
+        k.copy_(before_k)
+        v.copy_(before_v)
+        lengths = [len(c) for c in chunks]
+        tokens = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+        for i, c in enumerate(chunks):
+            tokens[i, : len(c)] = torch.tensor(c)
+        want = runner.model.extend(
+            tokens, torch.tensor(rows), torch.tensor(starts), lengths, k, v, N_POSITIONS
+        )  # fmt: skip
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got_k, k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_v, v, atol=1e-5, rtol=1e-5)
+        assert not torch.equal(got_k, before_k)  # it wrote something
+    assert extend.covers([0, 100], [27, 3]) and not extend.covers([0, 100], [28, 3])
