@@ -21,7 +21,7 @@ import torch
 
 from compile_cache import CompileCache
 from neuron_lmi.compile.cpu_aot import load_package
-from neuron_lmi.compile.cpu_decode import DECODE_INDUCTOR_CONFIGS, open_frozen_package
+from neuron_lmi.compile.cpu_decode import inductor_configs, open_frozen_package
 from neuron_lmi.compile.graphs import ExtendGraph
 from neuron_lmi.models.llama import LlamaForCausalLM
 
@@ -51,7 +51,9 @@ def compile_extend_package(model: LlamaForCausalLM, n_rows: int, n_positions: in
         graph = ExtendGraph(model).eval()
         program = torch.export.export(graph, example, dynamic_shapes=dynamic, strict=False)
     torch._inductor.aoti_compile_and_package(
-        program, package_path=str(out_dir / PACKAGE_FILE), inductor_configs=dict(DECODE_INDUCTOR_CONFIGS)
+        program,
+        package_path=str(out_dir / PACKAGE_FILE),
+        inductor_configs=inductor_configs(model.dtype, "extend"),
     )
 
 

@@ -144,3 +144,33 @@ def test_compiled_extend_writes_the_cache_and_logits_eager_does(
         torch.testing.assert_close(got_v, v, atol=1e-5, rtol=1e-5)
         assert not torch.equal(got_k, before_k)  # it wrote something
     assert extend.covers([0, 100], [27, 3]) and not extend.covers([0, 100], [28, 3])
+
+
+def test_bf16_graphs_follow_the_eager_bf16_engine(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In bf16 the decode graph's GEMMs are Inductor's autotuned CPU templates
+    (``cpu_decode.BF16_DECODE_CONFIGS``): teacher-forced through one prefill of three prompts and
+    four decode steps, its logits stay within bf16 rounding of the eager bf16 runner's."""
+    monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
+    eager = _llm(tiny_llama_dir, dtype="bf16").core.runner
+    compiled = _llm(tiny_llama_dir, dtype="bf16", compile_graphs=True).core.runner
+    decode, extend = compiled.compiled_decode, compiled.compiled_extend
+    assert decode is not None and extend is not None
+    assert (
+        "max_autotune=True"
+        in cpu_decode.decode_key_inputs(compiled.model, tiny_llama_dir, N_ROWS, N_POSITIONS).compiler_flags
+    )
+    prompts = [list(range(300, 310)), list(range(400, 437)), [5, 6]]
+    outs = []
+    for runner in (eager, compiled):
+        rows = [runner.rows.allocate() for _ in prompts]
+        logits = [runner.prefill(rows, prompts)]
+        for step in range(4):
+            logits.append(runner.decode(rows, [7 + step + i for i in range(len(rows))]))
+        outs.append(torch.stack(logits))
+        for row in rows:
+            runner.rows.remove(row)
+    want, got = outs
+    assert decode.steps == 4 and extend.steps >= 1
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
