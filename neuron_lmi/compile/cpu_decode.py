@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any, ClassVar, TypeVar
 
 import torch
+from torch import nn
 
 from compile_cache import CompileCache
 from compile_cache.key import CacheKeyInputs, fingerprint_weights
@@ -50,6 +52,7 @@ BF16_DECODE_CONFIGS = MappingProxyType({"max_autotune": True, "max_autotune_gemm
 # computes or expects (the version is part of the key, so old entries stop matching).
 GRAPH_VERSIONS = MappingProxyType({"window-decode": 1, "extend": 1})
 MIN_ROWS = 2  # exported sizes start at 2: torch.export specialises a dimension of size 1
+Package = TypeVar("Package", bound="FrozenPackage")
 
 
 def inductor_configs(dtype: torch.dtype, graph: str) -> dict[str, object]:
@@ -135,25 +138,53 @@ def compile_decode_package(model: LlamaForCausalLM, n_rows: int, n_positions: in
     window = torch.export.Dim("window", min=MIN_ROWS, max=n_rows)
     attn = torch.export.Dim("attn_len", min=MIN_ROWS, max=n_positions - 1)
     dynamic = ({0: window}, {0: window}, {0: window}, {0: attn}, None, None)
+    configs = inductor_configs(model.dtype, CompiledDecode.graph)
+    export_package(WindowDecodeGraph(model), example, dynamic, out_dir / PACKAGE_FILE, configs)
+
+
+def export_package(
+    graph: nn.Module,
+    example: tuple[torch.Tensor, ...],
+    dynamic: tuple[dict[int, Any] | None, ...],
+    package_path: Path,
+    configs: dict[str, object],
+) -> None:
+    """``torch.export`` ``graph`` (non-strict, with the dynamic dimensions given) and compile it
+    with AOTInductor into ``package_path``."""
     with torch.no_grad():
-        program = torch.export.export(
-            WindowDecodeGraph(model).eval(), example, dynamic_shapes=dynamic, strict=False
-        )
+        program = torch.export.export(graph.eval(), example, dynamic_shapes=dynamic, strict=False)
     torch._inductor.aoti_compile_and_package(
-        program,
-        package_path=str(out_dir / PACKAGE_FILE),
-        inductor_configs=inductor_configs(model.dtype, "window-decode"),
+        program, package_path=str(package_path), inductor_configs=configs
     )
 
 
-class CompiledDecode:
-    """A loaded decode package. ``covers`` says whether a step fits it; ``__call__`` runs one."""
+class FrozenPackage:
+    """A loaded frozen-weights package of one graph; ``steps`` counts the steps it ran (the rest ran
+    eagerly). Subclasses name their graph (the key's ``graph=`` flag), file and compile function."""
+
+    graph: ClassVar[str]
+    package_file: ClassVar[str]
 
     def __init__(self, package_path: Path, n_rows: int, n_positions: int) -> None:
         self.n_rows, self.n_positions = n_rows, n_positions
         self._package = load_package(package_path)
         self._run = self._package.loader.run  # skips AOTICompiledModel.__call__'s pytree parsing
-        self.steps = 0  # decode steps run here (the rest ran eagerly)
+        self.steps = 0
+
+    @staticmethod
+    def compile_package(model: LlamaForCausalLM, n_rows: int, n_positions: int, out_dir: Path) -> None:
+        raise NotImplementedError
+
+
+class CompiledDecode(FrozenPackage):
+    """A loaded decode package. ``covers`` says whether a step fits it; ``__call__`` runs one."""
+
+    graph = "window-decode"
+    package_file = PACKAGE_FILE
+
+    @staticmethod
+    def compile_package(model: LlamaForCausalLM, n_rows: int, n_positions: int, out_dir: Path) -> None:
+        compile_decode_package(model, n_rows, n_positions, out_dir)
 
     def covers(self, rows: Sequence[int], positions: torch.Tensor) -> bool:
         """Rows ascending. The window is rows ``0..rows[-1]`` (at least ``MIN_ROWS``); the attention
@@ -183,57 +214,38 @@ class CompiledDecode:
         return out[index]
 
 
-CompilePackage = Callable[[LlamaForCausalLM, int, int, Path], None]
-
-
 def open_frozen_package(
-    graph: str,
-    compile_package: CompilePackage,
+    kind: type[Package],
     model: LlamaForCausalLM,
     weights_path: str | Path,
     n_rows: int,
     n_positions: int,
     cache: CompileCache,
     no_compile: bool = False,
-) -> Path | None:
-    """The folder of ``graph``'s package for ``model`` in ``cache``, compiled on a miss by
-    ``compile_package(model, n_rows, n_positions, folder)`` (unless ``no_compile``: then
-    ``CacheMissError``). None, with the reason logged, where ``decode_unsupported``."""
+) -> Package | None:
+    """``kind``'s package for ``model`` from ``cache``, compiled on a miss (unless ``no_compile``:
+    then ``CacheMissError``). None, with the reason logged, where ``decode_unsupported``."""
     reason = decode_unsupported(model, n_rows, n_positions)
     if reason is not None:
-        log.info("compiled %s off: %s; running it eagerly", graph, reason)
+        log.info("compiled %s off: %s; running it eagerly", kind.graph, reason)
         return None
     started = time.monotonic()
-    inputs = decode_key_inputs(model, weights_path, n_rows, n_positions, graph)
+    inputs = decode_key_inputs(model, weights_path, n_rows, n_positions, kind.graph)
     compiled: list[bool] = []
 
     def compile_fn(out: Path) -> None:
         compiled.append(True)
-        log.info("compile cache miss key=%s: compiling the %s graph (minutes)", inputs.key(), graph)
-        compile_package(model, n_rows, n_positions, out)
+        log.info("compile cache miss key=%s: compiling the %s graph (minutes)", inputs.key(), kind.graph)
+        kind.compile_package(model, n_rows, n_positions, out)
 
     entry = cache.get_or_compile(inputs, compile_fn, no_compile=no_compile)
+    package = kind(entry.path / kind.package_file, n_rows, n_positions)
     log.info(
         "compiled %s: key=%s %s in %.1fs (%s)",
-        graph,
+        kind.graph,
         entry.key,
         "compiled" if compiled else "loaded",
         time.monotonic() - started,
         entry.path,
     )
-    return entry.path
-
-
-def open_compiled_decode(
-    model: LlamaForCausalLM,
-    weights_path: str | Path,
-    n_rows: int,
-    n_positions: int,
-    cache: CompileCache,
-    no_compile: bool = False,
-) -> CompiledDecode | None:
-    """The decode package for ``model`` from ``cache`` (``open_frozen_package``)."""
-    folder = open_frozen_package(
-        "window-decode", compile_decode_package, model, weights_path, n_rows, n_positions, cache, no_compile
-    )
-    return None if folder is None else CompiledDecode(folder / PACKAGE_FILE, n_rows, n_positions)
+    return package

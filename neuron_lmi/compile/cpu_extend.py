@@ -19,9 +19,7 @@ from pathlib import Path
 
 import torch
 
-from compile_cache import CompileCache
-from neuron_lmi.compile.cpu_aot import load_package
-from neuron_lmi.compile.cpu_decode import inductor_configs, open_frozen_package
+from neuron_lmi.compile.cpu_decode import FrozenPackage, export_package, inductor_configs
 from neuron_lmi.compile.graphs import ExtendGraph
 from neuron_lmi.models.llama import LlamaForCausalLM
 
@@ -47,24 +45,19 @@ def compile_extend_package(model: LlamaForCausalLM, n_rows: int, n_positions: in
     chunk = torch.export.Dim("chunk", min=1, max=n_positions - 1)
     attn = torch.export.Dim("attn_len", min=MIN_ATTN_LEN, max=n_positions - 1)
     dynamic = ({0: rows, 1: chunk}, {0: rows}, {0: rows}, {0: rows}, {0: attn}, None, None)
-    with torch.no_grad():
-        graph = ExtendGraph(model).eval()
-        program = torch.export.export(graph, example, dynamic_shapes=dynamic, strict=False)
-    torch._inductor.aoti_compile_and_package(
-        program,
-        package_path=str(out_dir / PACKAGE_FILE),
-        inductor_configs=inductor_configs(model.dtype, "extend"),
-    )
+    configs = inductor_configs(model.dtype, CompiledExtend.graph)
+    export_package(ExtendGraph(model), example, dynamic, out_dir / PACKAGE_FILE, configs)
 
 
-class CompiledExtend:
+class CompiledExtend(FrozenPackage):
     """A loaded extend package. ``covers`` says whether a step fits it; ``__call__`` runs one."""
 
-    def __init__(self, package_path: Path, n_rows: int, n_positions: int) -> None:
-        self.n_rows, self.n_positions = n_rows, n_positions
-        self._package = load_package(package_path)
-        self._run = self._package.loader.run  # skips AOTICompiledModel.__call__'s pytree parsing
-        self.steps = 0  # extend (and prefill) steps run here
+    graph = "extend"
+    package_file = PACKAGE_FILE
+
+    @staticmethod
+    def compile_package(model: LlamaForCausalLM, n_rows: int, n_positions: int, out_dir: Path) -> None:
+        compile_extend_package(model, n_rows, n_positions, out_dir)
 
     def covers(self, starts: Sequence[int], lengths: Sequence[int]) -> bool:
         """Every chunk is padded to the longest, and a padding token writes (back) the slot after
@@ -97,18 +90,3 @@ class CompiledExtend:
         (out,) = self._run([*inputs, k_cache, v_cache])
         self.steps += 1
         return out
-
-
-def open_compiled_extend(
-    model: LlamaForCausalLM,
-    weights_path: str | Path,
-    n_rows: int,
-    n_positions: int,
-    cache: CompileCache,
-    no_compile: bool = False,
-) -> CompiledExtend | None:
-    """The extend package for ``model`` from ``cache`` (``cpu_decode.open_frozen_package``)."""
-    folder = open_frozen_package(
-        "extend", compile_extend_package, model, weights_path, n_rows, n_positions, cache, no_compile
-    )
-    return None if folder is None else CompiledExtend(folder / PACKAGE_FILE, n_rows, n_positions)

@@ -192,10 +192,14 @@ def _open_compiled_graphs(runner: CpuRunner, options: CpuEngineOptions, path: Pa
     """The decode and extend packages from the default compile cache (``$NEURON_LMI_CACHE_DIR``),
     compiled on a miss unless ``no_compile``; none where the model or cache has none (logged)."""
     from compile_cache import open_store
-    from neuron_lmi.compile.cpu_decode import open_compiled_decode
-    from neuron_lmi.compile.cpu_extend import open_compiled_extend
+    from neuron_lmi.compile.cpu_decode import CompiledDecode, open_frozen_package
+    from neuron_lmi.compile.cpu_extend import CompiledExtend
 
     shape = (options.max_rolling_batch_size, runner.n_positions)
     store, no_compile = open_store(), options.no_compile
-    runner.compiled_decode = open_compiled_decode(runner.model, path, *shape, store, no_compile)
-    runner.compiled_extend = open_compiled_extend(runner.model, path, *shape, store, no_compile)
+    runner.compiled_decode = open_frozen_package(
+        CompiledDecode, runner.model, path, *shape, store, no_compile
+    )
+    runner.compiled_extend = open_frozen_package(
+        CompiledExtend, runner.model, path, *shape, store, no_compile
+    )
