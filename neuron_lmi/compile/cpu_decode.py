@@ -1,20 +1,23 @@
-"""The CPU engine's compiled decode: one AOTInductor package with the weights frozen in.
+"""The CPU engine's compiled decode: one AOTInductor package with the weights frozen in; and what
+it shares with the compiled extend (``cpu_extend``): ``FrozenPackage``, the cache key
+(``decode_key_inputs``), ``open_frozen_package`` and ``export_package``.
 
-``CpuRunner`` prefills, extends and copies rows eagerly; its decode step runs this package when one
-is loaded. The package holds a ``WindowDecodeGraph`` exported with a dynamic window (cache rows
-``0..n-1``, ``2 <= n <= n_rows``) and a dynamic attention length (``2 <= L < n_positions``), so one
-compile serves every batch and length. Inductor compiles it with ``freezing``: the weights become
-constants it packs for oneDNN and fuses around (norms, rotary, SiLU, residuals in a few C++
-loops), which is what makes it pay: on this project's 2-core AVX-512/AMX host, SmolLM2's decode
-step at 32 rows took 56 ms (bf16) and 94 ms (fp32) against 77-89 ms and 146 ms eager with packed
-weights, and 32 ms against about 37 ms at 2 rows. Eager remains the path of the parity tests
-(``CpuEngineOptions.compile_decode=False``, ``option.enforce_eager``).
+``CpuRunner`` copies rows eagerly; its decode step runs this package when one is loaded (prefill
+and extend run ``cpu_extend``'s). The package holds a ``WindowDecodeGraph`` exported with a dynamic
+window (cache rows ``0..n-1``, ``2 <= n <= n_rows``) and a dynamic attention length
+(``2 <= L < n_positions``), so one compile serves every batch and length. Inductor compiles it with
+``freezing``: the weights become constants it packs for oneDNN and fuses around (norms, rotary,
+SiLU, residuals in a few C++ loops), which is what makes it pay: on this project's 2-core
+AVX-512/AMX host, SmolLM2's decode step at 32 rows took 56 ms (bf16) and 94 ms (fp32) against
+77-89 ms and 146 ms eager with packed weights, and 32 ms against about 37 ms at 2 rows; in bf16
+the GEMMs are Inductor's own AMX templates (``BF16_DECODE_CONFIGS``). Eager remains the path of the
+parity tests (``CpuEngineOptions.compile_graphs=False``, ``option.enforce_eager``).
 
 Frozen weights make the package depend on the weights' *values*: the cache key holds a content
 fingerprint of the weight files, the model's architecture, dtype, quantization, rows, positions,
-the torch version and the CPU's instruction set. A compile takes about 80 s for SmolLM2 on two
-cores; the entry is stored in the compile cache (local disk, ``s3://`` remote), and later starts
-load it in well under a second. Rows and positions outside the package's range (one row, the last
+the torch version and the CPU's instruction set. A compile takes about 100 s (fp32) to 250 s (bf16,
+autotuned) for SmolLM2 on two cores; the entry is stored in the compile cache, and later starts
+load it in about a second. Rows and positions outside the package's range (one row, the last
 position of a full-length row) decode eagerly.
 """
 
@@ -43,7 +46,7 @@ PACKAGE_FILE = "decode.pt2"
 # Baked into the package and part of the key. Weights live inside the package: they are frozen.
 DECODE_INDUCTOR_CONFIGS = MappingProxyType({"freezing": True, "aot_inductor.package_constants_in_so": True})
 # bf16 decode GEMMs: Inductor's CPU GEMM templates (AMX / AVX-512 micro-kernels, fused with their
-# neighbours) autotuned against ATen/oneDNN at the full window. Measured on SmolLM2 (2-core
+# neighbours) autotuned against ATen/oneDNN at a nearly full window. Measured on SmolLM2 (2-core
 # AVX-512/AMX host, packages timed interleaved): 52 against 67 ms a step at 32 rows, 25 against
 # 40 at 8, 20 against 34 at 2, for a compile of about 250 s instead of 100. In fp32 the templates
 # gained nothing at 32 rows (220 against 208 ms), so fp32 keeps ATen.

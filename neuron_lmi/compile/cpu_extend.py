@@ -8,7 +8,7 @@ reused prefix. Freezing lets Inductor pack the weights for oneDNN and fuse the e
 (norms, rotary, SiLU, residuals, masks) that dominates short eager prefills: on this project's
 2-core AVX-512/AMX host a 60-token SmolLM2 prompt took 38 ms against 64 ms eager in bf16 and
 114 ms against 232 ms in fp32, eight of them at once 133 against 179 ms (bf16). A compile takes
-about 2.5 minutes for SmolLM2 on two cores, once per model, dtype and cache shape; later starts
+about three minutes for SmolLM2 on two cores, once per model, dtype and cache shape; later starts
 load it from the compile cache.
 """
 

@@ -32,7 +32,7 @@ def build_cpu_engine(request: registry.BuildRequest) -> Any:
         compiled_graph_path=cfg.neuron.compiled_graph_path,
         context_length_estimate=cfg.batching.context_length_estimate,
         quantize=cfg.neuron.quantize,  # option.quantize: int8/int4 weight-only on CPU
-        # The decode graph compiled once into the compile cache, unless option.enforce_eager.
+        # Decode and extend graphs compiled once into the compile cache, unless option.enforce_eager.
         compile_graphs=not cfg.model.enforce_eager,
     )
     engine.model_name = model_name(resolved)
