@@ -184,10 +184,7 @@ class CompiledDecode(FrozenPackage):
 
     graph = "window-decode"
     package_file = PACKAGE_FILE
-
-    @staticmethod
-    def compile_package(model: LlamaForCausalLM, n_rows: int, n_positions: int, out_dir: Path) -> None:
-        compile_decode_package(model, n_rows, n_positions, out_dir)
+    compile_package = staticmethod(compile_decode_package)
 
     def covers(self, rows: Sequence[int], positions: torch.Tensor) -> bool:
         """Rows ascending. The window is rows ``0..rows[-1]`` (at least ``MIN_ROWS``); the attention

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from neuron_lmi.compile.cpu_decode import FrozenPackage, export_package, inductor_configs
-from neuron_lmi.compile.graphs import ExtendGraph
+from neuron_lmi.compile.graphs import ExtendGraph, right_padded
 from neuron_lmi.models.llama import LlamaForCausalLM
 
 PACKAGE_FILE = "extend.pt2"
@@ -54,10 +54,7 @@ class CompiledExtend(FrozenPackage):
 
     graph = "extend"
     package_file = PACKAGE_FILE
-
-    @staticmethod
-    def compile_package(model: LlamaForCausalLM, n_rows: int, n_positions: int, out_dir: Path) -> None:
-        compile_extend_package(model, n_rows, n_positions, out_dir)
+    compile_package = staticmethod(compile_extend_package)
 
     def covers(self, starts: Sequence[int], lengths: Sequence[int]) -> bool:
         """Every chunk is padded to the longest, and a padding token writes (back) the slot after
@@ -76,9 +73,7 @@ class CompiledExtend(FrozenPackage):
         """Write ``chunks[i]`` into ``rows[i]`` after its ``starts[i]`` positions; logits of each
         chunk's last token ``[n, vocab]``. The caller sets the rows' lengths."""
         lengths = [len(c) for c in chunks]
-        tokens = torch.zeros(len(rows), max(lengths), dtype=torch.long)
-        for i, chunk in enumerate(chunks):
-            tokens[i, : lengths[i]] = torch.tensor(list(chunk), dtype=torch.long)
+        tokens = right_padded(chunks, max(lengths))
         attn_len = max(MIN_ATTN_LEN, max(s + n for s, n in zip(starts, lengths, strict=True)))
         inputs = [
             tokens,

@@ -99,6 +99,14 @@ def padded_decode_inputs(
     return all_tokens, all_positions, active, index
 
 
+def right_padded(chunks: Sequence[Sequence[int]], width: int) -> torch.Tensor:
+    """Token chunks as one int64 ``[len(chunks), width]`` tensor, each right-padded with 0."""
+    tokens = torch.zeros(len(chunks), width, dtype=torch.long)
+    for i, chunk in enumerate(chunks):
+        tokens[i, : len(chunk)] = torch.tensor(list(chunk), dtype=torch.long)
+    return tokens
+
+
 def decode_rows(
     graph: _Graph,
     tokens: torch.Tensor,
@@ -162,6 +170,7 @@ def extend_rows(
     cache. Returns the logits of each chunk's last real token, ``[n, vocab]`` fp32."""
     m = graph.model
     n, t = tokens.shape
+    length = key_pos.shape[0]
     offsets = torch.arange(t)
     positions = starts[:, None] + offsets[None, :]
     keep = (offsets[None, :] < lengths[:, None])[:, :, None, None]
@@ -174,7 +183,6 @@ def extend_rows(
         slot = (torch.full_like(positions, i), rows[:, None], slice(None), positions)
         k_cache[slot] = torch.where(keep, k.transpose(1, 2), k_cache[slot])
         v_cache[slot] = torch.where(keep, v.transpose(1, 2), v_cache[slot])
-        length = key_pos.shape[0]
         k_all, v_all = k_cache[i, rows, :, :length], v_cache[i, rows, :, :length]
         attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=m.scale, enable_gqa=True)
         x = x + layer.attn_out(attn)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cache_api import RowTable
+from neuron_lmi.compile.graphs import right_padded
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.runners.base import ascending, in_asked_order
 from neuron_lmi.runners.buckets import chunk_buckets, pack_into_bins, pick_bucket, power_of_two_buckets
@@ -162,9 +163,7 @@ class CpuRunner:
         if compiled is not None and compiled.covers(starts, lengths):
             out = compiled(rows, pieces, starts, self.cache.k, self.cache.v)
         else:
-            tokens = torch.zeros(len(rows), bucket, dtype=torch.long)
-            for i, piece in enumerate(pieces):
-                tokens[i, : len(piece)] = torch.tensor(piece, dtype=torch.long)
+            tokens = right_padded(pieces, bucket)
             ends = max(s + n for s, n in zip(starts, lengths, strict=True))
             out = self.model.extend(
                 tokens, torch.tensor(rows, dtype=torch.long), torch.tensor(starts, dtype=torch.long),

@@ -76,8 +76,8 @@ def test_second_start_loads_from_the_cache_without_compiling(
     def fail(*_: object) -> None:
         raise AssertionError("compiled again on a cache hit")
 
-    monkeypatch.setattr(cpu_decode, "compile_decode_package", fail)
-    monkeypatch.setattr(cpu_extend, "compile_extend_package", fail)
+    monkeypatch.setattr(cpu_decode.CompiledDecode, "compile_package", staticmethod(fail))
+    monkeypatch.setattr(cpu_extend.CompiledExtend, "compile_package", staticmethod(fail))
     second = _llm(tiny_llama_dir, compile_graphs=True)
     assert second.core.runner.compiled_decode is not None and second.core.runner.compiled_extend is not None
     prompt, params = [list(range(50, 70))], [SamplingParams(max_new_tokens=6, temperature=0.0)]
