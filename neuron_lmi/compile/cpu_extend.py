@@ -14,14 +14,17 @@ load it from the compile cache.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from neuron_lmi.compile.cpu_decode import FrozenPackage, export_package, inductor_configs
+from neuron_lmi.compile.cpu_decode import FrozenPackage, export_package, inductor_configs, is_quantized
 from neuron_lmi.compile.graphs import ExtendGraph, right_padded
 from neuron_lmi.models.llama import LlamaForCausalLM
+from neuron_lmi.models.quant import QuantizedLinear, replace_weight
 
 PACKAGE_FILE = "extend.pt2"
 MIN_ATTN_LEN = 2  # torch.export specialises a dimension of size 1; rows and T start at 1 (tested)
@@ -45,8 +48,27 @@ def compile_extend_package(model: LlamaForCausalLM, n_rows: int, n_positions: in
     chunk = torch.export.Dim("chunk", min=1, max=n_positions - 1)
     attn = torch.export.Dim("attn_len", min=MIN_ATTN_LEN, max=n_positions - 1)
     dynamic = ({0: rows, 1: chunk}, {0: rows}, {0: rows}, {0: rows}, {0: attn}, None, None)
-    configs = inductor_configs(model.dtype, CompiledExtend.graph)
-    export_package(ExtendGraph(model), example, dynamic, out_dir / PACKAGE_FILE, configs)
+    configs = inductor_configs(model.dtype, CompiledExtend.graph, is_quantized(model))
+    # Quantized weights are traced dense (a second copy, in the package): prompts run oneDNN GEMMs
+    # instead of row-by-row kernels or a dequantization per call.
+    export_package(ExtendGraph(dequantized_copy(model)), example, dynamic, out_dir / PACKAGE_FILE, configs)
+
+
+def dequantized_copy(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """``model`` itself when dense; else a copy whose quantized matmul weights are dense tensors of
+    the model's dtype. Dequantized here, not in the traced graph: Inductor (torch 2.13, CPU) miscompiles
+    the int4 unpacking read through a transpose (NaNs in the weight)."""
+    if not is_quantized(model):
+        return model
+    dense = copy.deepcopy(model)
+    owners = [(layer, type(layer).linear_weights) for layer in dense.layers] + [(dense, ("lm_head",))]
+    for owner, names in owners:
+        for name in names:
+            weight = getattr(owner, name)
+            if isinstance(weight, QuantizedLinear):
+                dequantized = weight.dequantize().to(model.dtype)
+                replace_weight(owner, name, nn.Parameter(dequantized, requires_grad=False))
+    return dense
 
 
 class CompiledExtend(FrozenPackage):

@@ -17,11 +17,13 @@ Activations: torch 2.13's fp32 paths of both kernels are scalar loops (5-25x slo
 paths, measured on AVX-512), so a quantized linear computes in bf16 and hands back the caller's dtype.
 Both kernels are matrix-vector loops, fast for decode but linear in the number of input rows, so
 from ``gemm_min_rows`` rows on (prefill) the weight is dequantized to bf16 for one GEMM instead.
+The compiled decode traces the kernels whatever the row count (``tracing_packed_kernels``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,20 @@ from torch import nn
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
 COMPUTE_DTYPE = torch.bfloat16
+_tracing_kernels = False
+
+
+@contextmanager
+def tracing_packed_kernels() -> Iterator[None]:
+    """While tracing a graph whose number of input rows is dynamic (the compiled decode), every
+    ``QuantizedLinear`` runs its packed kernel instead of choosing by row count: a branch on a
+    symbolic size would pin the graph to one side of ``gemm_min_rows``."""
+    global _tracing_kernels
+    previous, _tracing_kernels = _tracing_kernels, True
+    try:
+        yield
+    finally:
+        _tracing_kernels = previous
 
 
 @dataclass(frozen=True)
@@ -142,7 +158,7 @@ class QuantizedLinear(nn.Module):
         # Python checks instead of no-op reshape/to calls: ~120 linears run per decoded token.
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         x2 = x2 if x2.dtype == COMPUTE_DTYPE else x2.to(COMPUTE_DTYPE)
-        y = self._mm(x2) if x2.shape[0] < self.gemm_min_rows else self._gemm(x2)
+        y = self._mm(x2) if _tracing_kernels or x2.shape[0] < self.gemm_min_rows else self._gemm(x2)
         if x.dim() != 2:
             y = y.view(*x.shape[:-1], self.out_features)
         return y if x.dtype == COMPUTE_DTYPE else y.to(x.dtype)

@@ -101,7 +101,11 @@ def test_models_and_caches_without_a_decode_graph(tiny_llama_dir: Path, tmp_path
     assert "too small" in (cpu_decode.decode_unsupported(dense, 1, N_POSITIONS) or "")
     quantized = load_tiny(tiny_llama_dir)
     quantize_model(quantized, "int8")
-    assert "quantized" in (cpu_decode.decode_unsupported(quantized, N_ROWS, N_POSITIONS) or "")
+    assert cpu_decode.decode_unsupported(quantized, N_ROWS, N_POSITIONS) is None
+    # torch's int8 kernel runs row by row: from 32 rows on the eager GEMM wins, so the window stops.
+    assert cpu_decode.window_limit(quantized, 64) == 31 and cpu_decode.window_limit(dense, 64) == 64
+    quantized_key = cpu_decode.decode_key_inputs(quantized, tiny_llama_dir, N_ROWS, N_POSITIONS)
+    assert "weights=int8" in quantized_key.compiler_flags and "max_autotune=True" not in str(quantized_key)
     moe = load_tiny(make_tiny_checkpoint(tmp_path / "mixtral", "mixtral"))
     assert "DecoderLayer" in (cpu_decode.decode_unsupported(moe, N_ROWS, N_POSITIONS) or "")
     key = cpu_decode.decode_key_inputs(dense, tiny_llama_dir, N_ROWS, N_POSITIONS)
@@ -110,6 +114,7 @@ def test_models_and_caches_without_a_decode_graph(tiny_llama_dir: Path, tmp_path
     assert key.key() != cpu_decode.decode_key_inputs(dense, tiny_llama_dir, N_ROWS + 1, N_POSITIONS).key()
     extend_key = cpu_decode.decode_key_inputs(dense, tiny_llama_dir, N_ROWS, N_POSITIONS, "extend")
     assert extend_key.key() != key.key()  # two graphs, two entries
+    assert quantized_key.key() != key.key() and "weights=dense" in key.compiler_flags
 
 
 def test_compiled_extend_writes_the_cache_and_logits_eager_does(
@@ -174,3 +179,37 @@ def test_bf16_graphs_follow_the_eager_bf16_engine(
     want, got = outs
     assert decode.steps == 4 and extend.steps >= 1
     assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_quantized_graphs_follow_the_eager_quantized_engine(
+    method: str, tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``option.quantize``: the decode graph keeps the weights quantized and runs torch's packed
+    kernels, as the eager step does below ``gemm_min_rows``; the extend graph folds them into dense
+    bf16. Teacher-forced through a prefill of three prompts, four decode steps over their rows and
+    one step of the lowest row alone (a window of one row), the logits stay within bf16 rounding of
+    the eager quantized runner's."""
+    monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
+    eager = _llm(tiny_llama_dir, quantize=method).core.runner
+    compiled = _llm(tiny_llama_dir, quantize=method, compile_graphs=True).core.runner
+    decode, extend = compiled.compiled_decode, compiled.compiled_extend
+    assert decode is not None and extend is not None
+    formats = cpu_decode.weight_formats(compiled.model)
+    assert formats == ("int4g32+int8" if method == "int4" else "int8")  # lm_head: int8 in both
+    prompts = [list(range(300, 310)), list(range(400, 437)), [5, 6]]
+    outs = []
+    for runner in (eager, compiled):
+        rows = [runner.rows.allocate() for _ in prompts]
+        logits = [runner.prefill(rows, prompts)]
+        for step in range(4):
+            logits.append(runner.decode(rows, [7 + step + i for i in range(len(rows))]))
+        logits.append(runner.decode(rows[:1], [99]).expand(len(rows), -1))
+        outs.append(torch.stack(logits))
+        for row in rows:
+            runner.rows.remove(row)
+    want, got = outs
+    assert rows[0] == 0 and decode.steps == 5 and extend.steps >= 1
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    # Top-1 agreement, not equality: bf16 rounding may flip a near-tie of this random model.
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
