@@ -12,6 +12,7 @@ import torch
 from neuron_lmi.compile import cpu_decode, cpu_extend
 from neuron_lmi.engine.llm import LLM
 from neuron_lmi.engine.types import SamplingParams
+from neuron_lmi.runners.cpu import CpuRunner
 from tests.compile.conftest import load_tiny
 
 pytestmark = pytest.mark.slow
@@ -151,6 +152,22 @@ def test_compiled_extend_writes_the_cache_and_logits_eager_does(
     assert extend.covers([0, 100], [27, 3]) and not extend.covers([0, 100], [28, 3])
 
 
+def _teacher_forced(runner: CpuRunner, lone_row_step: bool = False) -> torch.Tensor:
+    """Logits ``[steps, 3, vocab]`` of one prefill of three prompts into fresh rows (0, 1, 2) and four
+    decode steps over them; with ``lone_row_step``, then one step of row 0 alone (a one-row window),
+    broadcast over the three. The rows are freed after."""
+    prompts = [list(range(300, 310)), list(range(400, 437)), [5, 6]]
+    rows = [runner.rows.allocate() for _ in prompts]
+    logits = [runner.prefill(rows, prompts)]
+    for step in range(4):
+        logits.append(runner.decode(rows, [7 + step + i for i in range(len(rows))]))
+    if lone_row_step:
+        logits.append(runner.decode(rows[:1], [99]).expand(len(rows), -1))
+    for row in rows:
+        runner.rows.remove(row)
+    return torch.stack(logits)
+
+
 def test_bf16_graphs_follow_the_eager_bf16_engine(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -166,17 +183,7 @@ def test_bf16_graphs_follow_the_eager_bf16_engine(
         "max_autotune=True"
         in cpu_decode.decode_key_inputs(compiled.model, tiny_llama_dir, N_ROWS, N_POSITIONS).compiler_flags
     )
-    prompts = [list(range(300, 310)), list(range(400, 437)), [5, 6]]
-    outs = []
-    for runner in (eager, compiled):
-        rows = [runner.rows.allocate() for _ in prompts]
-        logits = [runner.prefill(rows, prompts)]
-        for step in range(4):
-            logits.append(runner.decode(rows, [7 + step + i for i in range(len(rows))]))
-        outs.append(torch.stack(logits))
-        for row in rows:
-            runner.rows.remove(row)
-    want, got = outs
+    want, got = _teacher_forced(eager), _teacher_forced(compiled)
     assert decode.steps == 4 and extend.steps >= 1
     assert (got - want).abs().max() < 0.05 * want.abs().max()
 
@@ -197,19 +204,8 @@ def test_quantized_graphs_follow_the_eager_quantized_engine(
     assert decode is not None and extend is not None
     formats = cpu_decode.weight_formats(compiled.model)
     assert formats == ("int4g32+int8" if method == "int4" else "int8")  # lm_head: int8 in both
-    prompts = [list(range(300, 310)), list(range(400, 437)), [5, 6]]
-    outs = []
-    for runner in (eager, compiled):
-        rows = [runner.rows.allocate() for _ in prompts]
-        logits = [runner.prefill(rows, prompts)]
-        for step in range(4):
-            logits.append(runner.decode(rows, [7 + step + i for i in range(len(rows))]))
-        logits.append(runner.decode(rows[:1], [99]).expand(len(rows), -1))
-        outs.append(torch.stack(logits))
-        for row in rows:
-            runner.rows.remove(row)
-    want, got = outs
-    assert rows[0] == 0 and decode.steps == 5 and extend.steps >= 1
+    want, got = _teacher_forced(eager, lone_row_step=True), _teacher_forced(compiled, lone_row_step=True)
+    assert decode.steps == 5 and extend.steps >= 1
     assert (got - want).abs().max() < 0.05 * want.abs().max()
     # Top-1 agreement, not equality: bf16 rounding may flip a near-tie of this random model.
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
