@@ -44,7 +44,13 @@ from compile_cache.key import CacheKeyInputs, fingerprint_weights
 from neuron_lmi.compile.cpu_aot import DTYPE_NAMES, architecture_description, cpu_capability, load_package
 from neuron_lmi.compile.graphs import WindowDecodeGraph, check_compilable, padded_decode_inputs
 from neuron_lmi.models.llama import LlamaForCausalLM
-from neuron_lmi.models.quant import Int4Linear, Int8Linear, QuantizedLinear, tracing_packed_kernels
+from neuron_lmi.models.quant import (
+    Int4Linear,
+    Int8Linear,
+    QuantizedLinear,
+    matmul_weight_slots,
+    tracing_packed_kernels,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +84,7 @@ def inductor_configs(dtype: torch.dtype, graph: str, quantized: bool = False) ->
 
 def matmul_weights(model: LlamaForCausalLM) -> list[object]:
     """Every weight the graphs multiply by: each layer's ``linear_weights``, then ``lm_head``."""
-    layers = [getattr(layer, name) for layer in model.layers for name in type(layer).linear_weights]
-    return [*layers, model.lm_head]
+    return [getattr(owner, name) for owner, name in matmul_weight_slots(model)]
 
 
 def weight_formats(model: LlamaForCausalLM) -> str:

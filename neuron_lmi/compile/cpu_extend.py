@@ -21,13 +21,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from neuron_lmi.compile.cpu_decode import FrozenPackage, export_package, inductor_configs, is_quantized
+from neuron_lmi.compile.cpu_decode import (
+    MIN_ATTN_LEN,
+    FrozenPackage,
+    export_package,
+    inductor_configs,
+    is_quantized,
+)
 from neuron_lmi.compile.graphs import ExtendGraph, right_padded
 from neuron_lmi.models.llama import LlamaForCausalLM
-from neuron_lmi.models.quant import QuantizedLinear, replace_weight
+from neuron_lmi.models.quant import QuantizedLinear, matmul_weight_slots, replace_weight
 
 PACKAGE_FILE = "extend.pt2"
-MIN_ATTN_LEN = 2  # torch.export specialises a dimension of size 1; rows and T start at 1 (tested)
+# Rows and chunk length start at 1 (tested); the attention length at cpu_decode's MIN_ATTN_LEN.
 
 
 def compile_extend_package(model: LlamaForCausalLM, n_rows: int, n_positions: int, out_dir: Path) -> None:
@@ -61,13 +67,11 @@ def dequantized_copy(model: LlamaForCausalLM) -> LlamaForCausalLM:
     if not is_quantized(model):
         return model
     dense = copy.deepcopy(model)
-    owners = [(layer, type(layer).linear_weights) for layer in dense.layers] + [(dense, ("lm_head",))]
-    for owner, names in owners:
-        for name in names:
-            weight = getattr(owner, name)
-            if isinstance(weight, QuantizedLinear):
-                dequantized = weight.dequantize().to(model.dtype)
-                replace_weight(owner, name, nn.Parameter(dequantized, requires_grad=False))
+    for owner, name in matmul_weight_slots(dense):
+        weight = getattr(owner, name)
+        if isinstance(weight, QuantizedLinear):
+            dequantized = weight.dequantize().to(model.dtype)
+            replace_weight(owner, name, nn.Parameter(dequantized, requires_grad=False))
     return dense
 
 

@@ -273,6 +273,13 @@ def to_linear(q: QuantizedTensor) -> QuantizedLinear | torch.Tensor:
     return q.dequantize()
 
 
+def matmul_weight_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """``(owner, attribute)`` of every matmul weight: each module's ``linear_weights``, then
+    ``lm_head``."""
+    slots = [(m, name) for m in model.modules() for name in getattr(type(m), "linear_weights", ())]
+    return [*slots, (model, "lm_head")]
+
+
 def replace_weight(owner: nn.Module, name: str, module: nn.Module) -> None:
     """Put ``module`` where parameter ``name`` was (nn.Module refuses to assign over a parameter)."""
     delattr(owner, name)

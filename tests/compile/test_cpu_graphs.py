@@ -193,10 +193,10 @@ def test_quantized_graphs_follow_the_eager_quantized_engine(
     method: str, tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``option.quantize``: the decode graph keeps the weights quantized and runs torch's packed
-    kernels, as the eager step does below ``gemm_min_rows``; the extend graph folds them into dense
-    bf16. Teacher-forced through a prefill of three prompts, four decode steps over their rows and
-    one step of the lowest row alone (a window of one row), the logits stay within bf16 rounding of
-    the eager quantized runner's."""
+    kernels, as the eager step does below ``gemm_min_rows``; the extend graph traces a copy with them
+    dequantized to the model's dtype. Teacher-forced through a prefill of three prompts, four decode
+    steps over their rows and one step of the lowest row alone (a window of one row), the logits stay
+    within bf16 rounding of the eager quantized runner's."""
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
     eager = _llm(tiny_llama_dir, quantize=method).core.runner
     compiled = _llm(tiny_llama_dir, quantize=method, compile_graphs=True).core.runner
