@@ -10,8 +10,9 @@ Variants are engines built with ``CpuEngineOptions``: ``fp32``, ``bf16``, ``int8
   time and per CPU-second of this process (which other processes' load on a shared host skews less).
 * Quality, against fp32: token agreement (teacher-forced top-1 over fp32's greedy continuation of
   each of ``PROMPTS``, see ``neuron_lmi.models.quant_eval``) and the perplexity of ``TEXT``.
-* ``--compile-graphs``: every variant but fp32 runs the compiled decode and extend, as the server
-  does (``--rows 32`` matches its cache shape, so the packages come from the compile cache).
+* ``--compile-graphs``: every variant but fp32 (and ``<variant>-eager``, for a side-by-side) runs
+  the compiled decode and extend, as the server does (``--rows 32`` matches its cache shape, so
+  the packages come from the compile cache).
 * llama.cpp: with ``--llama-bench PATH`` (or ``llama-bench`` on PATH) its decode speed (``-p 0 -n
   N``) on the same GGUF file and thread count is measured in the same run; otherwise the figure of
   issue 12 is quoted (159 tok/s llama-bench, 146 tok/s llama-server for 1 request, 2 cores).
@@ -110,8 +111,9 @@ def build_variants(model: str, variants: list[str], rows: int, compiled: bool) -
     llms = {}
     for name in ["fp32", *[v for v in variants if v != "fp32"]]:
         # Quantized variants run with the host's default dtype (their matmuls are bf16 anyway).
-        opts = {"dtype": name} if name in ("fp32", "bf16") else {"dtype": "auto", "quantize": name}
-        opts["compile_graphs"] = compiled and name != "fp32"
+        method = name.removesuffix("-eager")  # int8-eager: the same engine without the graphs
+        opts = {"dtype": method} if method in ("fp32", "bf16") else {"dtype": "auto", "quantize": method}
+        opts["compile_graphs"] = compiled and name != "fp32" and name == method
         llms[name] = LLM(model, max_rolling_batch_size=rows, n_positions=512, **opts)
     return llms
 

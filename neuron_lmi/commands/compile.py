@@ -4,9 +4,13 @@ Settings come from the flags, else ``--properties`` (an LMI serving.properties),
 environment variables, else defaults (the same resolution as ``serve``), so a later ``serve`` with
 the same settings computes the same key and loads the entry instead of compiling:
 
-* ``--target cpu``: AOTInductor packages per context and token-generation bucket (see
-  ``neuron_lmi/compile/cpu_aot.py``); dtype as the CPU engine picks it (bf16 on CPUs with native
-  bf16, else fp32) unless told;
+* ``--target cpu``: what ``serve`` with the same settings loads (``--graphs``, default by the
+  settings): without ``option.compiled_graph_path`` the decode and extend packages with frozen
+  weights that the CPU engine runs by default (``neuron_lmi/compile/cpu_decode.py``, ``cpu_extend.py``;
+  ``--quantize`` as served), in the default compile cache or ``--cache-dir`` (serve then needs
+  ``NEURON_LMI_CACHE_DIR`` pointing there); with it (or ``--cache-url``), AOTInductor packages per
+  context and token-generation bucket for the AOT-compiled runner (``neuron_lmi/compile/cpu_aot.py``).
+  dtype as the CPU engine picks it (bf16 on CPUs with native bf16, else fp32) unless told;
 * ``--target neuron``: NxD Inference's ``compile(dir)`` (``--model-loader nxdi``, the default, see
   ``neuron_lmi/backends/nxdi/``) or transformers-neuronx NEFFs (``--model-loader tnx``, SDK <= 2.25,
   see ``neuron_lmi/compile/neuron.py``).
@@ -42,9 +46,11 @@ CLI_FIELDS = (
     "group_query_attention",
     "compiled_graph_path",
     "model_loader",
+    "quantize",
 )
 NEURON_LOADERS = ("nxdi", "tnx")
 CPU_DTYPES = ("fp32", "bf16")
+CPU_GRAPHS = ("frozen", "buckets")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -65,6 +71,13 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--dtype", help="fp32|bf16|fp16 (cpu default: bf16 with native bf16, else fp32)")
     p.add_argument("--group-query-attention", choices=GQA_STRATEGIES, help="option.group_query_attention")
+    p.add_argument("--quantize", help="option.quantize (cpu: int8|int4, frozen graphs)")
+    p.add_argument(
+        "--graphs",
+        choices=CPU_GRAPHS,
+        help="cpu target: frozen (serve's default decode and extend packages) or buckets (the "
+        "AOT-compiled runner of option.compiled_graph_path); default: what serve would load",
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument(
         "--cache-dir", type=Path, help="local store (default $NEURON_LMI_CACHE_DIR or ~/.cache/…)"
@@ -101,12 +114,8 @@ def _cache(args: argparse.Namespace, compiled_graph_path: str | None) -> Any:
     return cache_for(compiled_graph_path, args.cache_dir)
 
 
-def _compile_cpu(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
-    from neuron_lmi.compile.cpu_aot import CpuPlan
-    from neuron_lmi.engine.build import DEFAULT_MAX_N_POSITIONS, DTYPES, resolve_cpu_dtype
-    from neuron_lmi.models import build_model
-    from neuron_lmi.models.loader import load_checkpoint, load_tokenizer, resolve_model_path
-    from neuron_lmi.runners.compiled import open_compiled_runner
+def _cpu_dtype(args: argparse.Namespace, resolved: Any) -> str:
+    from neuron_lmi.engine.build import resolve_cpu_dtype
 
     cfg = resolved.config
     if cfg.parallel.tensor_parallel_degree not in (1, "max"):
@@ -116,6 +125,84 @@ def _compile_cpu(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
     )
     if dtype not in CPU_DTYPES:
         raise ValueError(f"--dtype: the cpu target supports {', '.join(CPU_DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def _compile_cpu(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
+    # serve runs the bucket runner only with option.compiled_graph_path, else the frozen packages.
+    graphs = args.graphs or ("buckets" if resolved.config.neuron.compiled_graph_path else "frozen")
+    compile_graphs = _compile_cpu_buckets if graphs == "buckets" else _compile_cpu_frozen
+    return compile_graphs(args, resolved)
+
+
+def _compile_cpu_frozen(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
+    """The decode and extend packages ``serve`` opens (``engine.build.open_compiled_graphs``), for
+    the model as served (quantized, same rows and positions), so its start loads them."""
+    from neuron_lmi.compile.cpu_decode import decode_unsupported
+    from neuron_lmi.engine.build import CpuEngineOptions, load_cpu_model, open_compiled_graphs
+    from neuron_lmi.models.loader import load_tokenizer, resolve_model_path
+    from neuron_lmi.runners.cpu import CpuRunner
+
+    cfg = resolved.config
+    path = resolve_model_path(cfg.model.model_id or "smollm2")
+    options = CpuEngineOptions(
+        model=str(path),
+        dtype=_cpu_dtype(args, resolved),
+        max_rolling_batch_size=cfg.batching.max_rolling_batch_size,
+        n_positions=cfg.batching.n_positions,
+        quantize=cfg.neuron.quantize,
+    )
+    options.validate_quantize()
+    ckpt, model, n_positions = load_cpu_model(options, path)
+    reason = decode_unsupported(model, options.max_rolling_batch_size, n_positions)
+    if reason is not None:
+        raise ValueError(f"--graphs frozen: this model and cache shape run eagerly ({reason})")
+    runner = CpuRunner(model, options.max_rolling_batch_size, n_positions)
+    opened = open_compiled_graphs(runner, path, _cache(args, None), args.no_compile)
+    _prove_one_token(runner, load_tokenizer(ckpt))
+    decode = opened[0]
+    return {
+        "entry": decode.entry,
+        "compiled": any(o.compiled for o in opened),
+        "graphs": len(opened),
+        "model": str(path),
+        "packages": [_package_summary(o) for o in opened],
+    }
+
+
+def _package_summary(opened: Any) -> dict[str, Any]:
+    entry = opened.entry
+    return {
+        "graph": opened.package.graph,
+        "key": entry.key,
+        "path": str(entry.path),
+        "compiled": opened.compiled,
+        "size_bytes": entry.size,
+        "files": len(entry.files),
+    }
+
+
+def _prove_one_token(runner: Any, tokenizer: Any) -> None:
+    """One greedy token from a one-token prompt, through prefill and decode: the entries run."""
+    row = runner.rows.allocate()
+    try:
+        first = int(runner.prefill([row], [[tokenizer.bos_token_id or 0]]).argmax(-1)[0])
+        runner.decode([row], [first])
+    finally:
+        runner.rows.remove(row)
+
+
+def _compile_cpu_buckets(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
+    from neuron_lmi.compile.cpu_aot import CpuPlan
+    from neuron_lmi.engine.build import DEFAULT_MAX_N_POSITIONS, DTYPES
+    from neuron_lmi.models import build_model
+    from neuron_lmi.models.loader import load_checkpoint, load_tokenizer, resolve_model_path
+    from neuron_lmi.runners.compiled import open_compiled_runner
+
+    cfg = resolved.config
+    dtype = _cpu_dtype(args, resolved)
+    if cfg.neuron.quantize:
+        raise ValueError("--quantize: the bucket graphs take dense weights (use --graphs frozen)")
     path = resolve_model_path(cfg.model.model_id or "smollm2")
     ckpt = load_checkpoint(path, dtype=DTYPES[dtype])
     # As build_cpu_engine_core does, so that serve with the same settings computes the same key.
@@ -127,13 +214,7 @@ def _compile_cpu(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
     )
     cache = _cache(args, cfg.neuron.compiled_graph_path)
     opened = open_compiled_runner(model, path, plan, cache, args.no_compile, progress=not args.no_progress)
-    # Prove the entry runs: one greedy token from a one-token prompt, through prefill and decode.
-    tok = load_tokenizer(ckpt)
-    runner = opened.runner
-    row = runner.rows.allocate()
-    first = int(runner.prefill([row], [[tok.bos_token_id or 0]]).argmax(-1)[0])
-    runner.decode([row], [first])
-    runner.rows.remove(row)
+    _prove_one_token(opened.runner, load_tokenizer(ckpt))
     return {
         "entry": opened.entry,
         "compiled": opened.compiled,
@@ -263,13 +344,21 @@ def run(args: argparse.Namespace) -> int:
         "seconds": round(seconds, 2),
         "model": result["model"],
     }
+    if "packages" in result:
+        summary["packages"] = result["packages"]
+        summary["size_bytes"] = sum(p["size_bytes"] for p in result["packages"])
+        summary["files"] = sum(p["files"] for p in result["packages"])
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))
     else:
         status = "compiled" if result["compiled"] else "cache hit, loaded without compiling"
+        for package in result.get("packages", []):
+            done = "compiled" if package["compiled"] else "cache hit"
+            print(f"{package['graph']:<8} {package['key']} {done}, {human_size(package['size_bytes'])}")
+        size = human_size(summary["size_bytes"])
         print(
             f"key      {entry.key}\npath     {entry.path}\nstatus   {status}\n"
-            f"size     {human_size(entry.size)} in {len(entry.files)} files ({result['graphs']} graphs)\n"
+            f"size     {size} in {summary['files']} files ({result['graphs']} graphs)\n"
             f"time     {seconds:.1f}s"
         )
     sys.stdout.flush()

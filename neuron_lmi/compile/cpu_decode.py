@@ -1,6 +1,6 @@
 """The CPU engine's compiled decode: one AOTInductor package with the weights frozen in; and what
 it shares with the compiled extend (``cpu_extend``): ``FrozenPackage``, the cache key
-(``decode_key_inputs``), ``open_frozen_package`` and ``export_package``.
+(``decode_key_inputs``), ``open_frozen_entry`` / ``open_frozen_package`` and ``export_package``.
 
 ``CpuRunner`` copies rows eagerly; its decode step runs this package when one is loaded (prefill
 and extend run ``cpu_extend``'s). The package holds a ``WindowDecodeGraph`` exported with a dynamic
@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from types import MappingProxyType
@@ -41,6 +42,7 @@ from torch import nn
 
 from compile_cache import CompileCache
 from compile_cache.key import CacheKeyInputs, fingerprint_weights
+from compile_cache.store import Entry
 from neuron_lmi.compile.cpu_aot import DTYPE_NAMES, architecture_description, cpu_capability, load_package
 from neuron_lmi.compile.graphs import WindowDecodeGraph, check_compilable, padded_decode_inputs
 from neuron_lmi.models.llama import LlamaForCausalLM
@@ -266,15 +268,24 @@ class CompiledDecode(FrozenPackage):
         return out[index]
 
 
-def open_frozen_package(
-    kind: type[Package],
+@dataclass(frozen=True)
+class OpenedPackage:
+    """A frozen package loaded from the compile cache: its entry, and whether this call compiled it."""
+
+    package: FrozenPackage
+    entry: Entry
+    compiled: bool
+
+
+def open_frozen_entry(
+    kind: type[FrozenPackage],
     model: LlamaForCausalLM,
     weights_path: str | Path,
     n_rows: int,
     n_positions: int,
     cache: CompileCache,
     no_compile: bool = False,
-) -> Package | None:
+) -> OpenedPackage | None:
     """``kind``'s package for ``model`` from ``cache``, compiled on a miss (unless ``no_compile``:
     then ``CacheMissError``). None, with the reason logged, where ``decode_unsupported``."""
     reason = decode_unsupported(model, n_rows, n_positions)
@@ -300,4 +311,18 @@ def open_frozen_package(
         time.monotonic() - started,
         entry.path,
     )
-    return package
+    return OpenedPackage(package, entry, bool(compiled))
+
+
+def open_frozen_package(
+    kind: type[Package],
+    model: LlamaForCausalLM,
+    weights_path: str | Path,
+    n_rows: int,
+    n_positions: int,
+    cache: CompileCache,
+    no_compile: bool = False,
+) -> Package | None:
+    """``open_frozen_entry``'s package alone."""
+    opened = open_frozen_entry(kind, model, weights_path, n_rows, n_positions, cache, no_compile)
+    return None if opened is None else opened.package  # type: ignore[return-value]

@@ -14,6 +14,8 @@ from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.scheduler import JoinPolicy
 
 if TYPE_CHECKING:
+    from compile_cache import CompileCache
+    from neuron_lmi.compile.cpu_decode import OpenedPackage
     from neuron_lmi.runners.cpu import CpuRunner
 
 log = logging.getLogger(__name__)
@@ -124,7 +126,7 @@ def build_cpu_engine_core(
     if options.num_threads:
         torch.set_num_threads(options.num_threads)
     path = resolve_model_path(options.model)
-    ckpt, model, n_positions = _load_model(options, path)
+    ckpt, model, n_positions = load_cpu_model(options, path)
     tokenizer = load_tokenizer(ckpt)
     if options.compiled or options.compiled_graph_path:
         from neuron_lmi.runners.compiled import compiled_runner_for_engine
@@ -137,7 +139,7 @@ def build_cpu_engine_core(
     else:
         runner = CpuRunner(model, options.max_rolling_batch_size, n_positions)
         if options.compile_graphs:
-            _open_compiled_graphs(runner, options, path)
+            open_compiled_graphs(runner, path, no_compile=options.no_compile)
         # After the compiled graphs, which trace dense weights; packing is for the eager runner.
         if options.pack_weights:
             pack_model(model)
@@ -157,7 +159,7 @@ def build_cpu_engine_core(
     return core, ckpt.config
 
 
-def _load_model(options: CpuEngineOptions, path: Path) -> tuple[Any, Any, int]:
+def load_cpu_model(options: CpuEngineOptions, path: Path) -> tuple[Any, Any, int]:
     """Checkpoint -> (checkpoint, model, n_positions): built, then sharded across logical ranks,
     then quantized (tensor parallelism splits dense weights, so it comes first)."""
     from neuron_lmi.models import build_model
@@ -188,18 +190,21 @@ def _load_model(options: CpuEngineOptions, path: Path) -> tuple[Any, Any, int]:
     return ckpt, model, n_positions
 
 
-def _open_compiled_graphs(runner: CpuRunner, options: CpuEngineOptions, path: Path) -> None:
-    """The decode and extend packages from the default compile cache (``$NEURON_LMI_CACHE_DIR``),
-    compiled on a miss unless ``no_compile``; none where the model or cache has none (logged)."""
+def open_compiled_graphs(
+    runner: CpuRunner, path: Path, store: CompileCache | None = None, no_compile: bool = False
+) -> list[OpenedPackage]:
+    """Set ``runner``'s decode and extend packages from ``store`` (default: the compile cache at
+    ``$NEURON_LMI_CACHE_DIR``), compiled on a miss unless ``no_compile``; a graph the model or cache
+    shape has none of stays eager (logged). Returns the packages opened (``neuron-lmi compile``
+    reports them)."""
     from compile_cache import open_store
-    from neuron_lmi.compile.cpu_decode import CompiledDecode, open_frozen_package
+    from neuron_lmi.compile.cpu_decode import CompiledDecode, open_frozen_entry
     from neuron_lmi.compile.cpu_extend import CompiledExtend
 
-    shape = (options.max_rolling_batch_size, runner.n_positions)
-    store, no_compile = open_store(), options.no_compile
-    runner.compiled_decode = open_frozen_package(
-        CompiledDecode, runner.model, path, *shape, store, no_compile
-    )
-    runner.compiled_extend = open_frozen_package(
-        CompiledExtend, runner.model, path, *shape, store, no_compile
-    )
+    shape = (runner.rows.n_rows, runner.n_positions)
+    store = store if store is not None else open_store()
+    decode = open_frozen_entry(CompiledDecode, runner.model, path, *shape, store, no_compile)
+    extend = open_frozen_entry(CompiledExtend, runner.model, path, *shape, store, no_compile)
+    runner.compiled_decode = None if decode is None else decode.package  # type: ignore[assignment]
+    runner.compiled_extend = None if extend is None else extend.package  # type: ignore[assignment]
+    return [opened for opened in (decode, extend) if opened is not None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -55,6 +56,8 @@ def test_compile_command_hits_and_reports(
         str(compiled_store.n_rows),
         "--cache-dir",
         str(compiled_store.root),
+        "--graphs",
+        "buckets",  # without option.compiled_graph_path, serve (and so compile) use the frozen graphs
         "--no-compile",
         "--json",
     ]
@@ -63,6 +66,47 @@ def test_compile_command_hits_and_reports(
     assert summary["key"] == compiled_store.key
     assert summary["compiled"] is False and summary["graphs"] == 2
     assert summary["size_bytes"] > 0 and summary["seconds"] >= 0
+
+
+def test_compile_command_builds_the_graphs_serve_loads(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """By default ``compile --target cpu`` builds the frozen decode and extend packages that the CPU
+    engine opens when it serves with the same settings; the engine then starts without compiling
+    (``no_compile``), and a second compile is a hit for both."""
+    argv = [
+        "compile",
+        "--model",
+        str(tiny_llama_dir),
+        "--dtype",
+        "fp32",
+        "--n-positions",
+        "128",
+        "--max-rolling-batch-size",
+        "4",
+        "--cache-dir",
+        str(tmp_path),
+        "--json",
+    ]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert [p["graph"] for p in first["packages"]] == ["window-decode", "extend"]
+    assert first["compiled"] is True and all(p["compiled"] for p in first["packages"])
+    assert first["key"] == first["packages"][0]["key"] and first["graphs"] == 2
+    monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
+    served = LLM(
+        str(tiny_llama_dir), max_rolling_batch_size=4, n_positions=128, dtype="fp32",
+        compile_graphs=True, no_compile=True,
+    )  # fmt: skip
+    runner = served.core.runner
+    assert runner.compiled_decode is not None and runner.compiled_extend is not None
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    assert len(served.generate([[300, 301, 302]], params)[0].token_ids) == 4
+    assert runner.compiled_decode.steps > 0
+    assert main([*argv, "--no-compile"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["compiled"] is False
+    assert [p["key"] for p in again["packages"]] == [p["key"] for p in first["packages"]]
 
 
 def test_compile_command_rejects_fp16_on_cpu(
