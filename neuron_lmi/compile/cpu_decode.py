@@ -1,6 +1,6 @@
 """The CPU engine's compiled decode: one AOTInductor package with the weights frozen in; and what
 it shares with the compiled extend (``cpu_extend``): ``FrozenPackage``, the cache key
-(``decode_key_inputs``), ``open_frozen_entry`` / ``open_frozen_package`` and ``export_package``.
+(``decode_key_inputs``), ``open_frozen_entry`` and ``export_package``.
 
 ``CpuRunner`` copies rows eagerly; its decode step runs this package when one is loaded (prefill
 and extend run ``cpu_extend``'s). The package holds a ``WindowDecodeGraph`` exported with a dynamic
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -71,7 +71,6 @@ GRAPH_VERSIONS = MappingProxyType({"window-decode": 2, "extend": 1})
 # A window of one row is exported (the example has more: torch.export specialises a dimension whose
 # example is 1); the attention length starts at 2 (length 1 is never decoded, only padded).
 MIN_WINDOW, MIN_ATTN_LEN = 1, 2
-Package = TypeVar("Package", bound="FrozenPackage")
 
 
 def inductor_configs(dtype: torch.dtype, graph: str, quantized: bool = False) -> dict[str, object]:
@@ -313,16 +312,3 @@ def open_frozen_entry(
     )
     return OpenedPackage(package, entry, bool(compiled))
 
-
-def open_frozen_package(
-    kind: type[Package],
-    model: LlamaForCausalLM,
-    weights_path: str | Path,
-    n_rows: int,
-    n_positions: int,
-    cache: CompileCache,
-    no_compile: bool = False,
-) -> Package | None:
-    """``open_frozen_entry``'s package alone."""
-    opened = open_frozen_entry(kind, model, weights_path, n_rows, n_positions, cache, no_compile)
-    return None if opened is None else opened.package  # type: ignore[return-value]
