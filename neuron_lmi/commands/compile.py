@@ -158,7 +158,9 @@ def _compile_cpu_frozen(args: argparse.Namespace, resolved: Any) -> dict[str, An
     if reason is not None:
         raise ValueError(f"--graphs frozen: this model and cache shape run eagerly ({reason})")
     runner = CpuRunner(model, options.max_rolling_batch_size, n_positions)
-    opened = open_compiled_graphs(runner, path, _cache(args, None), args.no_compile)
+    # A compiled_graph_path reaches here only under an explicit --graphs frozen: use that store too.
+    store = _cache(args, cfg.neuron.compiled_graph_path)
+    opened = open_compiled_graphs(runner, path, store, args.no_compile)
     _prove_one_token(runner, load_tokenizer(ckpt))
     decode = opened[0]
     return {
