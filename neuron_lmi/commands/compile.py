@@ -128,20 +128,11 @@ def _cpu_dtype(args: argparse.Namespace, resolved: Any) -> str:
     return dtype
 
 
-def _compile_cpu(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
-    # serve runs the bucket runner only with option.compiled_graph_path, else the frozen packages.
-    graphs = args.graphs or ("buckets" if resolved.config.neuron.compiled_graph_path else "frozen")
-    compile_graphs = _compile_cpu_buckets if graphs == "buckets" else _compile_cpu_frozen
-    return compile_graphs(args, resolved)
-
-
-def _compile_cpu_frozen(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
-    """The decode and extend packages ``serve`` opens (``engine.build.open_compiled_graphs``), for
-    the model as served (quantized, same rows and positions), so its start loads them."""
-    from neuron_lmi.compile.cpu_decode import decode_unsupported
-    from neuron_lmi.engine.build import CpuEngineOptions, load_cpu_model, open_compiled_graphs
-    from neuron_lmi.models.loader import load_tokenizer, resolve_model_path
-    from neuron_lmi.runners.cpu import CpuRunner
+def _served_model(args: argparse.Namespace, resolved: Any) -> tuple[Path, Any, Any, Any, int]:
+    """(path, engine options, checkpoint, model, n_positions): the model as ``serve`` builds it with
+    these settings (``engine.build.load_cpu_model``), so both kinds of graph get serve's keys."""
+    from neuron_lmi.engine.build import CpuEngineOptions, load_cpu_model
+    from neuron_lmi.models.loader import resolve_model_path
 
     cfg = resolved.config
     path = resolve_model_path(cfg.model.model_id or "smollm2")
@@ -154,6 +145,26 @@ def _compile_cpu_frozen(args: argparse.Namespace, resolved: Any) -> dict[str, An
     )
     options.validate_quantize()
     ckpt, model, n_positions = load_cpu_model(options, path)
+    return path, options, ckpt, model, n_positions
+
+
+def _compile_cpu(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
+    # serve runs the bucket runner only with option.compiled_graph_path, else the frozen packages.
+    graphs = args.graphs or ("buckets" if resolved.config.neuron.compiled_graph_path else "frozen")
+    compile_graphs = _compile_cpu_buckets if graphs == "buckets" else _compile_cpu_frozen
+    return compile_graphs(args, resolved)
+
+
+def _compile_cpu_frozen(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
+    """The decode and extend packages ``serve`` opens (``engine.build.open_compiled_graphs``), for
+    the model as served (quantized, same rows and positions), so its start loads them."""
+    from neuron_lmi.compile.cpu_decode import decode_unsupported
+    from neuron_lmi.engine.build import open_compiled_graphs
+    from neuron_lmi.models.loader import load_tokenizer
+    from neuron_lmi.runners.cpu import CpuRunner
+
+    cfg = resolved.config
+    path, options, ckpt, model, n_positions = _served_model(args, resolved)
     reason = decode_unsupported(model, options.max_rolling_batch_size, n_positions)
     if reason is not None:
         raise ValueError(f"--graphs frozen: this model and cache shape run eagerly ({reason})")
@@ -196,23 +207,15 @@ def _prove_one_token(runner: Any, tokenizer: Any) -> None:
 
 def _compile_cpu_buckets(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
     from neuron_lmi.compile.cpu_aot import CpuPlan
-    from neuron_lmi.engine.build import DEFAULT_MAX_N_POSITIONS, DTYPES
-    from neuron_lmi.models import build_model
-    from neuron_lmi.models.loader import load_checkpoint, load_tokenizer, resolve_model_path
+    from neuron_lmi.models.loader import load_tokenizer
     from neuron_lmi.runners.compiled import open_compiled_runner
 
     cfg = resolved.config
-    dtype = _cpu_dtype(args, resolved)
     if cfg.neuron.quantize:
         raise ValueError("--quantize: the bucket graphs take dense weights (use --graphs frozen)")
-    path = resolve_model_path(cfg.model.model_id or "smollm2")
-    ckpt = load_checkpoint(path, dtype=DTYPES[dtype])
-    # As build_cpu_engine_core does, so that serve with the same settings computes the same key.
-    max_pos = int(getattr(ckpt.config, "max_position_embeddings", DEFAULT_MAX_N_POSITIONS))
-    n_positions = cfg.batching.n_positions or min(max_pos, DEFAULT_MAX_N_POSITIONS)
-    model = build_model(ckpt.config, ckpt.state_dict, n_positions=n_positions, dtype=DTYPES[dtype])
+    path, options, ckpt, model, n_positions = _served_model(args, resolved)
     plan = CpuPlan.default(
-        cfg.batching.max_rolling_batch_size, n_positions, dtype, cfg.batching.context_length_estimate
+        options.max_rolling_batch_size, n_positions, options.dtype, cfg.batching.context_length_estimate
     )
     cache = _cache(args, cfg.neuron.compiled_graph_path)
     opened = open_compiled_runner(model, path, plan, cache, args.no_compile, progress=not args.no_progress)
