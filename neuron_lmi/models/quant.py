@@ -33,6 +33,7 @@ from torch import nn
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
 COMPUTE_DTYPE = torch.bfloat16
 _tracing_kernels = False
+_dense_kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 @contextmanager
@@ -46,6 +47,18 @@ def tracing_packed_kernels() -> Iterator[None]:
         yield
     finally:
         _tracing_kernels = previous
+
+
+@contextmanager
+def dense_linear_kernel(kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """While tracing a graph, ``linear`` multiplies 2-D fp32 dense weights with ``kernel(x, weight)``
+    instead of ``F.linear`` (``mkl_linear.tracing_mkl_linears``: the compiled fp32 decode)."""
+    global _dense_kernel
+    previous, _dense_kernel = _dense_kernel, kernel
+    try:
+        yield
+    finally:
+        _dense_kernel = previous
 
 
 @dataclass(frozen=True)
@@ -294,6 +307,9 @@ def linear(
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for a dense weight or a :class:`QuantizedLinear`; every layer calls this."""
     if isinstance(weight, torch.Tensor):
-        return F.linear(x, weight, bias)
-    y = weight(x)
+        if _dense_kernel is None or weight.dtype != torch.float32 or weight.dim() != 2:
+            return F.linear(x, weight, bias)
+        y = _dense_kernel(x, weight)
+    else:
+        y = weight(x)
     return y if bias is None else y + bias

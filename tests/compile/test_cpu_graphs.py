@@ -12,6 +12,7 @@ import torch
 from neuron_lmi.compile import cpu_decode, cpu_extend
 from neuron_lmi.engine.llm import LLM
 from neuron_lmi.engine.types import SamplingParams
+from neuron_lmi.models import mkl_linear
 from neuron_lmi.runners.cpu import CpuRunner
 from tests.compile.conftest import load_tiny
 
@@ -47,6 +48,8 @@ def test_compiled_graphs_equal_eager_token_for_token(
     assert got == want
     assert [len(t) for t in got] == list(new)
     assert package.steps > 30  # the decode steps ran in the package, not eagerly
+    if mkl_linear.available():  # its fp32 GEMMs on packs of the package's own weights, one each
+        assert mkl_linear.cached_packs() >= len(cpu_decode.matmul_weights(compiled.core.runner.model))
     assert extend.steps >= 3  # and the prefills in the other one
     assert not package.covers([0], torch.tensor([N_POSITIONS - 1]))  # the full-cache step: eager
     assert compiled.core.runner.rows.in_use() == []
@@ -116,6 +119,10 @@ def test_models_and_caches_without_a_decode_graph(tiny_llama_dir: Path, tmp_path
     extend_key = cpu_decode.decode_key_inputs(dense, tiny_llama_dir, N_ROWS, N_POSITIONS, "extend")
     assert extend_key.key() != key.key()  # two graphs, two entries
     assert quantized_key.key() != key.key() and "weights=dense" in key.compiler_flags
+    # fp32 decode GEMMs run neuron_lmi::mkl_linear where MKL is there; the key says so, the extend's not.
+    mkl_flag = "fp32_gemm=neuron_lmi::mkl_linear"
+    assert (mkl_flag in key.compiler_flags) == mkl_linear.available()
+    assert mkl_flag not in extend_key.compiler_flags and mkl_flag not in quantized_key.compiler_flags
 
 
 def test_compiled_extend_writes_the_cache_and_logits_eager_does(
