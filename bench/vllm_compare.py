@@ -197,7 +197,20 @@ def server_command(name: str, args: argparse.Namespace, model_dir: Path, port: i
     raise ValueError(f"unknown server {name!r}")
 
 
-def bench_once(url: str, args: argparse.Namespace, out: Path, requests: int, concurrency: int) -> dict:
+WARMUP_SEED_OFFSET = 10_000  # the warm-up's prompts are none of the measured ones
+
+
+def load_seed(args: argparse.Namespace, round_no: int, level: int) -> int:
+    """The prompts of one measurement: every server gets the same ones in a round, and no round or
+    level repeats another's or the warm-up's. Repeated prompts would measure prefix caches instead
+    (vLLM's block cache keeps every prompt of a run; our retained rows keep the last 32), and the
+    first round after a warm-up of the same prompts would be the only one our rows still hold."""
+    return args.seed + 100 * level + round_no
+
+
+def bench_once(
+    url: str, args: argparse.Namespace, out: Path, requests: int, concurrency: int, seed: int
+) -> dict:
     cmd = [
         args.cpu_python if Path(args.cpu_python).exists() else sys.executable,
         "-m",
@@ -220,7 +233,7 @@ def bench_once(url: str, args: argparse.Namespace, out: Path, requests: int, con
         "--stream",
         "--ignore-eos",
         "--seed",
-        str(args.seed),
+        str(seed),
         "--no-progress",
         "--out",
         str(out),
@@ -269,7 +282,9 @@ def start_server(name: str, args: argparse.Namespace, model_dir: Path, work: Pat
     try:
         wait_ready(proc, url, ready, log, args.startup_timeout)
         startup_s = time.monotonic() - started
-        bench_once(url, args, work / f"{name}-warmup.json", max(2, args.levels[0][0]), args.levels[0][0])
+        warmup = work / f"{name}-warmup.json"
+        level = args.levels[0][0]
+        bench_once(url, args, warmup, max(2, level), level, args.seed + WARMUP_SEED_OFFSET)
     except BaseException:
         stop_server(proc)
         raise
@@ -293,11 +308,12 @@ def measure(names: list[str], servers: dict, args: argparse.Namespace, work: Pat
     results: dict[str, list[dict]] = {f"{n}@{c}": [] for c, _ in args.levels for n in names}
     for round_no in range(args.rounds):
         order = names if round_no % 2 == 0 else names[::-1]
-        for concurrency, requests in args.levels:
+        for level, (concurrency, requests) in enumerate(args.levels):
+            seed = load_seed(args, round_no, level)
             for name in order:
                 key = f"{name}@{concurrency}"
                 _, url, startup_s = servers[name]
-                result = bench_once(url, args, work / f"{key}-{round_no}.json", requests, concurrency)
+                result = bench_once(url, args, work / f"{key}-{round_no}.json", requests, concurrency, seed)
                 result["startup_s"] = startup_s
                 result["engine"] = engine_gauges(url) if name.startswith("ours") else {}
                 results[key].append(result)
@@ -311,6 +327,19 @@ def measure(names: list[str], servers: dict, args: argparse.Namespace, work: Pat
                     flush=True,
                 )
     return results
+
+
+def keep_failure_evidence(work: Path, out: Path | None) -> None:
+    """Where a measurement had failed requests, copy the servers' logs and the per-request results
+    beside ``--out`` (or into the current directory) before the work directory goes."""
+    failed = [p for p in work.glob("*.json") if '"errors": 0' not in p.read_text()]
+    if not failed:
+        return
+    keep = (out.parent if out else Path.cwd()) / f"{out.stem if out else 'vllm_compare'}-failures"
+    keep.mkdir(parents=True, exist_ok=True)
+    for path in [*failed, *work.glob("*.log")]:
+        shutil.copy2(path, keep / path.name)
+    print(f"failed requests: logs and results kept in {keep}", file=sys.stderr)
 
 
 def summarize(results: dict[str, list[dict]]) -> dict:
@@ -397,6 +426,7 @@ def main() -> int:
         finally:
             for proc, _, _ in servers.values():
                 stop_server(proc)
+            keep_failure_evidence(Path(tmp), args.out)
     summary = summarize(results)
     print(json.dumps(summary, indent=2))
     if args.out:

@@ -60,6 +60,8 @@ def summarize(run: LevelRun) -> dict[str, Any]:
         "errors": n - len(ok),
         "success_pct": 100.0 * len(ok) / n if n else 0.0,
         "errors_by_kind": dict(Counter(r.error for r in run.results if not r.ok and r.error)),
+        # What the first failures said (distinct, at most 5): a run's record of why, not only how many.
+        "error_details": list(dict.fromkeys(r.detail for r in run.results if not r.ok and r.detail))[:5],
         "duration_s": run.wall_s,
         "requests_per_s": len(ok) / wall,
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
@@ -97,12 +99,13 @@ def write_results(path: Path, config: dict[str, Any], summaries: list[dict[str, 
     if suffix == ".json":
         path.write_text(json.dumps({"config": config, "levels": summaries}, indent=2) + "\n")
     elif suffix == ".csv":
-        fields = [key for key in summaries[0] if key != "errors_by_kind"] + ["errors_by_kind"]
+        listed = ("errors_by_kind", "error_details")
+        fields = [key for key in summaries[0] if key not in listed] + list(listed)
         with path.open("w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=fields)
             writer.writeheader()
             for s in summaries:
-                writer.writerow({**s, "errors_by_kind": json.dumps(s["errors_by_kind"], sort_keys=True)})
+                writer.writerow({**s, **{key: json.dumps(s[key], sort_keys=True) for key in listed}})
     else:
         raise ValueError(f"--out {path}: expected a .json or .csv file name")
 

@@ -61,6 +61,7 @@ def test_errors_are_counted_not_retried(fake_server, tmp_path) -> None:
     assert (level["requests"], level["successes"], level["errors"]) == (12, 9, 3)
     assert level["success_pct"] == 75.0
     assert level["errors_by_kind"] == {"HTTP 503": 2, "HTTP 500": 1}
+    assert level["error_details"] and all("injected failure" in d for d in level["error_details"])
     assert level["output_tokens"] == 9 * 5
 
 
