@@ -16,7 +16,7 @@ constexpr int64_t kPackRows = 32;  // what the pack is made for; any row count r
 
 struct Pack {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // expired: the address may be another weight's
-  std::vector<int64_t> shape;
+  std::vector<int64_t> shape, strides;  // a transposed view shares the address: not the same weight
   at::Tensor packed;
 };
 
@@ -29,13 +29,15 @@ at::Tensor pack_of(const at::Tensor& weight) {
                             .typed<at::Tensor(const at::Tensor&, int64_t)>();
   std::lock_guard<std::mutex> guard(packs_mutex);
   auto hit = packs.find(weight.data_ptr());
-  if (hit != packs.end() && !hit->second.storage.expired() && hit->second.shape == weight.sizes().vec()) {
+  if (hit != packs.end() && !hit->second.storage.expired() && hit->second.shape == weight.sizes().vec() &&
+      hit->second.strides == weight.strides().vec()) {
     return hit->second.packed;
   }
   for (auto it = packs.begin(); it != packs.end();) {
     it = it->second.storage.expired() ? packs.erase(it) : std::next(it);
   }
-  Pack pack{weight.storage().getWeakStorageImpl(), weight.sizes().vec(), reorder.call(weight.contiguous(), kPackRows)};
+  Pack pack{weight.storage().getWeakStorageImpl(), weight.sizes().vec(), weight.strides().vec(),
+            reorder.call(weight.contiguous(), kPackRows)};
   at::Tensor packed = pack.packed;
   packs.insert_or_assign(weight.data_ptr(), std::move(pack));
   return packed;

@@ -122,21 +122,22 @@ def _load_native() -> bool:
     return True
 
 
-# The Python kernel. weight.data_ptr() -> (a weak reference to its storage, its shape, the pack): a
-# storage that died may have its address reused by another weight, so an expired entry is never used.
-_packs: dict[int, tuple[StorageWeakRef, tuple[int, ...], torch.Tensor]] = {}
+# The Python kernel. weight.data_ptr() -> (a weak reference to its storage, its layout, the pack): a
+# storage that died may have its address reused by another weight, and a transposed view shares the
+# address of what it views, so only a live storage with the same shape and strides reuses a pack.
+_packs: dict[int, tuple[StorageWeakRef, tuple[tuple[int, ...], ...], torch.Tensor]] = {}
 _packs_lock = threading.Lock()
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
-    key = weight.data_ptr()
+    key, layout = weight.data_ptr(), (tuple(weight.shape), weight.stride())
     hit = _packs.get(key)
-    if hit is not None and not hit[0].expired() and hit[1] == tuple(weight.shape):
+    if hit is not None and not hit[0].expired() and hit[1] == layout:
         return hit[2]
     for stale in [k for k, (ref, _, _) in _packs.items() if ref.expired()]:
         del _packs[stale]
     pack = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), PACK_ROWS)
-    _packs[key] = (StorageWeakRef(weight.untyped_storage()), tuple(weight.shape), pack)
+    _packs[key] = (StorageWeakRef(weight.untyped_storage()), layout, pack)
     return pack
 
 

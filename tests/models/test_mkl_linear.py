@@ -37,11 +37,12 @@ def test_the_python_kernel_where_the_native_one_is_off() -> None:
         "import torch, torch.nn.functional as F\n"
         "from neuron_lmi.models import mkl_linear\n"
         "assert mkl_linear.kernel() == 'python'\n"
-        "w, x = torch.randn(40, 64), torch.randn(2, 3, 64)\n"
-        "torch.testing.assert_close(mkl_linear.mkl_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)\n"
-        "mkl_linear.mkl_linear(x, w)\n"
-        "assert mkl_linear.cached_packs() == 1\n"
-        "del w\n"
+        "w, x = torch.randn(64, 64), torch.randn(2, 3, 64)\n"
+        "for weight in (w, w, w.t(), w):\n"
+        "    want = F.linear(x, weight)\n"
+        "    torch.testing.assert_close(mkl_linear.mkl_linear(x, weight), want, rtol=1e-5, atol=1e-5)\n"
+        "assert mkl_linear.cached_packs() == 1  # one storage: the transposed view replaced its pack\n"
+        "del w, weight\n"
         "assert mkl_linear.cached_packs() == 0\n"
         "print('python kernel ok')\n"
     )
@@ -85,6 +86,10 @@ def test_one_pack_per_weight_and_a_dead_weights_pack_is_never_reused() -> None:
     reused = [w for w in candidates if w.data_ptr() == address]
     for weight in reused or candidates[:1]:
         close(mkl_linear.mkl_linear(x, weight), F.linear(x, weight))
+    # A transposed view of a square weight has its address and shape, not its values' layout.
+    square = torch.randn(64, 64)
+    close(mkl_linear.mkl_linear(x, square), F.linear(x, square))
+    close(mkl_linear.mkl_linear(x, square.t()), F.linear(x, square.t()))
 
 
 class TwoLinears(nn.Module):
