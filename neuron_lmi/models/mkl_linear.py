@@ -2,8 +2,9 @@
 
 A decode step multiplies a few rows by every weight, and the weights stream from memory. MKL's
 packed GEMM (``cblas_sgemm_pack`` / ``_compute``, which torch exposes as ``mkl::_mkl_linear``) runs
-those shapes faster than the oneDNN-packed linear AOTInductor freezes into an fp32 graph, and faster
-than ``F.linear``. Measured on this project's 2-core AVX-512 host (torch 2.13), all of SmolLM2's
+those shapes faster than ``F.linear`` and the ATen ``mm`` an fp32 AOTInductor package calls on its
+frozen weights (MKL's plain SGEMM, which re-blocks the weight on every call), and faster than
+oneDNN's packed linear. Measured on this project's 2-core AVX-512 host (torch 2.13), all of SmolLM2's
 decode GEMMs (30 layers and the 49152 x 576 head), one step, best of several:
 
     rows   F.linear   oneDNN packed   MKL packed
@@ -19,15 +20,15 @@ freezes as usual, and packs it on first use in this process: one pack per weight
 every row count (the packed layout does not depend on the rows; ``mkl::_mkl_linear`` is told the
 actual count, so it never falls back to ``F.linear``). At 16 rows and more the results match
 ``F.linear`` bit for bit on SmolLM2's shapes; below that MKL takes another path and they differ in
-the last bits, as the oneDNN-packed graph does.
+the last bits (greedy ids stayed the eager engine's: ``tests/compile/test_cpu_graphs.py``).
 
 Inside a package, AOTInductor's proxy executor calls the op through the dispatcher. Its kernel is
 native (``mkl_linear.cpp``, built on first use with torch's C++ extension builder, about 15 s, into
 ``~/.cache/neuron-lmi/kernels``): a Python kernel costs about 30 us a call there, 3.5 ms over
 SmolLM2's 121 GEMMs a step, which made a one-row step slower than ATen's. Where the build fails (no
 C++ compiler) the Python kernel below runs instead, with a warning. Importing this module defines
-the op; ``kernel()`` registers its CPU kernel, which tracing (``tracing_mkl_linears``) and loading a
-package (``cpu_decode.FrozenPackage``) do first.
+the op; ``kernel()`` registers its CPU kernel, which tracing (``tracing_mkl_linears``) and opening a
+package (``cpu_decode.open_frozen_entry``) do first.
 """
 
 from __future__ import annotations
