@@ -330,8 +330,9 @@ def measure(names: list[str], servers: dict, args: argparse.Namespace, work: Pat
 
 
 def keep_failure_evidence(work: Path, out: Path | None) -> None:
-    """Where a measurement had failed requests, copy the servers' logs and the per-request results
-    beside ``--out`` (or into the current directory) before the work directory goes."""
+    """Where a measurement had failed requests, copy the servers' logs and the failing measurements'
+    results (with their ``error_details``) beside ``--out``, or into the current directory, before
+    the work directory goes."""
     failed = [p for p in work.glob("*.json") if '"errors": 0' not in p.read_text()]
     if not failed:
         return
