@@ -106,8 +106,9 @@ def weight_formats(model: LlamaForCausalLM) -> str:
 def mkl_gemms(model: LlamaForCausalLM, graph: str) -> bool:
     """Whether ``graph`` multiplies dense fp32 weights with ``neuron_lmi::mkl_linear``: the decode
     does (where MKL is there), the extend keeps ATen's GEMM, as fast there (SmolLM2, 60 to 256
-    rows: 113-119 against 119-142 ms for a 60-token prompt, 295-314 ms both for a 256-token one)."""
-    dense = any(isinstance(w, torch.Tensor) for w in matmul_weights(model))
+    rows: 113-119 against 119-142 ms for a 60-token prompt, 295-314 ms both for a 256-token one).
+    A weight goes through the op where ``quant.linear`` routes it: a 2-D tensor (not an expert stack)."""
+    dense = any(isinstance(w, torch.Tensor) and w.dim() == 2 for w in matmul_weights(model))
     return graph == CompiledDecode.graph and dense and mkl_linear.uses_mkl_linear(model.dtype)
 
 
