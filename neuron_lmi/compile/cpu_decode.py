@@ -10,9 +10,11 @@ window (cache rows ``0..n-1``, ``2 <= n <= n_rows``) and a dynamic attention len
 SiLU, residuals in a few C++ loops), which is what makes it pay: on this project's 2-core
 AVX-512/AMX host, SmolLM2's decode step at 32 rows took 56 ms (bf16) and 94 ms (fp32) against
 77-89 ms and 146 ms eager with packed weights, and 32 ms against about 37 ms at 2 rows; in bf16
-the GEMMs are Inductor's own AMX templates (``BF16_DECODE_CONFIGS``), in fp32 MKL's packed GEMM
-through ``neuron_lmi::mkl_linear`` (``models.mkl_linear``: 79 against 102 ms at 32 rows, 43 against
-67 at 8, the same at one row). Eager remains the path of the parity tests
+the GEMMs are Inductor's own CPU templates (``BF16_DECODE_CONFIGS``), in fp32 a packed GEMM through
+``neuron_lmi::mkl_linear`` on Intel CPUs or ``neuron_lmi::onednn_linear`` on others
+(``models.packed_linear``; ``packed_gemm_library``): on the Intel host 79 against 102 ms for ATen's
+GEMM at 32 rows, 43 against 67 at 8, the same at one row; on a 2-core AMD EPYC (Zen 5) 44 against
+95 ms at 32 rows, 15 against 26 at one. Eager remains the path of the parity tests
 (``CpuEngineOptions.compile_graphs=False``, ``option.enforce_eager``).
 
 With ``option.quantize`` the weights stay quantized in the decode graph: it calls torch's packed
@@ -47,7 +49,7 @@ from compile_cache.key import CacheKeyInputs, fingerprint_weights
 from compile_cache.store import Entry
 from neuron_lmi.compile.cpu_aot import DTYPE_NAMES, architecture_description, cpu_capability, load_package
 from neuron_lmi.compile.graphs import WindowDecodeGraph, check_compilable, padded_decode_inputs
-from neuron_lmi.models import mkl_linear
+from neuron_lmi.models import packed_linear
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.models.quant import (
     Int4Linear,
@@ -70,7 +72,7 @@ DECODE_INDUCTOR_CONFIGS = MappingProxyType({"freezing": True, "aot_inductor.pack
 BF16_DECODE_CONFIGS = MappingProxyType({"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"})
 # Per graph: bump when WindowDecodeGraph / ExtendGraph or their inputs change what a package
 # computes or expects (the version is part of the key, so old entries stop matching).
-GRAPH_VERSIONS = MappingProxyType({"window-decode": 2, "extend": 1})
+GRAPH_VERSIONS = MappingProxyType({"window-decode": 3, "extend": 1})
 # A window of one row is exported (the example has more: torch.export specialises a dimension whose
 # example is 1); the attention length starts at 2 (length 1 is never decoded, only padded).
 MIN_WINDOW, MIN_ATTN_LEN = 1, 2
@@ -103,13 +105,30 @@ def weight_formats(model: LlamaForCausalLM) -> str:
     return "+".join(sorted({name(w) for w in matmul_weights(model)}))
 
 
-def mkl_gemms(model: LlamaForCausalLM, graph: str) -> bool:
-    """Whether ``graph`` multiplies dense fp32 weights with ``neuron_lmi::mkl_linear``: the decode
-    does (where MKL is there), the extend keeps ATen's GEMM, as fast there (SmolLM2, 60 to 256
-    rows: 113-119 against 119-142 ms for a 60-token prompt, 295-314 ms both for a 256-token one).
-    A weight goes through the op where ``quant.linear`` routes it: a 2-D tensor (not an expert stack)."""
+def packed_gemm_library(model: LlamaForCausalLM, graph: str) -> str | None:
+    """The library whose packed GEMM ``graph`` multiplies the model's dense weights with
+    (``packed_linear``: ``mkl`` or ``onednn``), or None for what Inductor picks itself.
+
+    fp32: the decode calls the host's (``packed_linear.host_library``). The extend calls oneDNN's where
+    that is the host's: on a 2-core AMD EPYC (Zen 5) a 60-token SmolLM2 prompt took 42 against
+    113 ms for ATen's GEMM, a 256-token one 157 against 352 ms. On Intel it keeps ATen's GEMM, which
+    MKL's packs did not beat there (60 to 256 rows: 113-119 against 119-142 ms for a 60-token prompt,
+    295-314 ms both for a 256-token one).
+
+    bf16: oneDNN's where it is the host's library (no AMX: on the AMD host the decode step at 32
+    rows took XX against YY ms); on Intel, Inductor's AMX templates and ATen's GEMM, autotuned.
+
+    A weight goes through the op where ``quant.linear`` routes it: a 2-D tensor of the model's dtype
+    (not an expert stack, not a quantized weight)."""
     dense = any(isinstance(w, torch.Tensor) and w.dim() == 2 for w in matmul_weights(model))
-    return graph == CompiledDecode.graph and dense and mkl_linear.uses_mkl_linear(model.dtype)
+    if not dense:
+        return None
+    library = packed_linear.host_library()
+    if model.dtype == torch.float32 and (graph == CompiledDecode.graph or library == "onednn"):
+        return library
+    if model.dtype == torch.bfloat16 and library == "onednn":
+        return library
+    return None
 
 
 def is_quantized(model: LlamaForCausalLM) -> bool:
@@ -165,8 +184,9 @@ def decode_key_inputs(
         f"graph={graph}",
         f"weights={weight_formats(model)}",
     )
-    if mkl_gemms(model, graph):
-        flags = (*flags, "fp32_gemm=neuron_lmi::mkl_linear")
+    library = packed_gemm_library(model, graph)
+    if library is not None:
+        flags = (*flags, f"packed_gemm={packed_linear.op_name(library)}")
     return CacheKeyInputs(
         architecture=architecture_description(model),
         target="cpu",
@@ -203,7 +223,8 @@ def compile_decode_package(model: LlamaForCausalLM, n_rows: int, n_positions: in
     attn = torch.export.Dim("attn_len", min=MIN_ATTN_LEN, max=n_positions - 1)
     dynamic = ({0: window}, {0: window}, {0: window}, {0: attn}, None, None)
     configs = inductor_configs(model.dtype, CompiledDecode.graph, is_quantized(model))
-    with tracing_packed_kernels(), mkl_linear.tracing_mkl_linears(model.dtype):
+    library = packed_gemm_library(model, CompiledDecode.graph)
+    with tracing_packed_kernels(), packed_linear.tracing_packed_linears(library, model.dtype):
         export_package(WindowDecodeGraph(model), example, dynamic, out_dir / PACKAGE_FILE, configs)
 
 
@@ -306,8 +327,8 @@ def open_frozen_entry(
         log.info("compiled %s off: %s; running it eagerly", kind.graph, reason)
         return None
     started = time.monotonic()
-    if mkl_gemms(model, kind.graph):
-        mkl_linear.kernel()  # the package calls neuron_lmi::mkl_linear: its kernel first
+    if packed_gemm_library(model, kind.graph) is not None:
+        packed_linear.kernel()  # the package calls neuron_lmi::*_linear: their kernels first
     inputs = decode_key_inputs(model, weights_path, n_rows, n_positions, kind.graph)
     compiled: list[bool] = []
 

@@ -27,8 +27,10 @@ from neuron_lmi.compile.cpu_decode import (
     export_package,
     inductor_configs,
     is_quantized,
+    packed_gemm_library,
 )
 from neuron_lmi.compile.graphs import ExtendGraph, right_padded
+from neuron_lmi.models import packed_linear
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.models.quant import QuantizedLinear, matmul_weight_slots, replace_weight
 
@@ -56,8 +58,12 @@ def compile_extend_package(model: LlamaForCausalLM, n_rows: int, n_positions: in
     dynamic = ({0: rows, 1: chunk}, {0: rows}, {0: rows}, {0: rows}, {0: attn}, None, None)
     configs = inductor_configs(model.dtype, CompiledExtend.graph, is_quantized(model))
     # Quantized weights are traced dense (a second copy, in the package): prompts run oneDNN GEMMs
-    # instead of row-by-row kernels or a dequantization per call.
-    export_package(ExtendGraph(dequantized_copy(model)), example, dynamic, out_dir / PACKAGE_FILE, configs)
+    # instead of row-by-row kernels or a dequantization per call. Dense fp32 ones may multiply on
+    # packs (decided on ``model``, as its key is).
+    library = packed_gemm_library(model, CompiledExtend.graph)
+    graph = ExtendGraph(dequantized_copy(model))
+    with packed_linear.tracing_packed_linears(library, model.dtype):
+        export_package(graph, example, dynamic, out_dir / PACKAGE_FILE, configs)
 
 
 def dequantized_copy(model: LlamaForCausalLM) -> LlamaForCausalLM:

@@ -13,7 +13,7 @@ gate|up weight (576 x 3072):
 In the whole SmolLM2 decode step (weights streaming from memory, not hot in cache, fused
 attention) bf16 went from 45.5 to 37.2 ms at batch 1 and from 87.6 to 71.4 ms at batch 32; fp32
 went from 34.7 to 49.9 ms at batch 1 and from 112.4 to 107.0 ms at batch 32, so only bf16 is
-packed here (fp32's compiled decode multiplies on MKL packs instead: ``models.mkl_linear``).
+packed here (fp32's compiled graphs multiply on packs of their own: ``models.packed_linear``).
 :func:`pack_model` is a transform applied after loading, like ``quantize.quantize_model``: every
 dense 2-D weight a layer names in ``linear_weights``, and ``lm_head``, becomes a
 :class:`PackedLinear`; ``quant.linear`` calls it like any weight module.

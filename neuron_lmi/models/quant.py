@@ -33,7 +33,8 @@ from torch import nn
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
 COMPUTE_DTYPE = torch.bfloat16
 _tracing_kernels = False
-_dense_kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+# (the weights' dtype, the kernel) while a graph is traced with packed GEMMs: ``dense_linear_kernel``.
+_dense_kernel: tuple[torch.dtype, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] | None = None
 
 
 @contextmanager
@@ -50,11 +51,13 @@ def tracing_packed_kernels() -> Iterator[None]:
 
 
 @contextmanager
-def dense_linear_kernel(kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Iterator[None]:
-    """While tracing a graph, ``linear`` multiplies 2-D fp32 dense weights with ``kernel(x, weight)``
-    instead of ``F.linear`` (``mkl_linear.tracing_mkl_linears``: the compiled fp32 decode)."""
+def dense_linear_kernel(
+    kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dtype: torch.dtype
+) -> Iterator[None]:
+    """While tracing a graph, ``linear`` multiplies 2-D dense weights of ``dtype`` with
+    ``kernel(x, weight)`` instead of ``F.linear`` (``packed_linear.tracing_packed_linears``)."""
     global _dense_kernel
-    previous, _dense_kernel = _dense_kernel, kernel
+    previous, _dense_kernel = _dense_kernel, (dtype, kernel)
     try:
         yield
     finally:
@@ -307,9 +310,9 @@ def linear(
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for a dense weight or a :class:`QuantizedLinear`; every layer calls this."""
     if isinstance(weight, torch.Tensor):
-        if _dense_kernel is None or weight.dtype != torch.float32 or weight.dim() != 2:
+        if _dense_kernel is None or weight.dtype != _dense_kernel[0] or weight.dim() != 2:
             return F.linear(x, weight, bias)
-        y = _dense_kernel(x, weight)
+        y = _dense_kernel[1](x, weight)
     else:
         y = weight(x)
     return y if bias is None else y + bias

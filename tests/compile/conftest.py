@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 N_ROWS, N_POSITIONS = 4, 128
 
@@ -35,12 +36,12 @@ class CompiledStore:
         return CpuPlan.default(n_rows, N_POSITIONS, "fp32")
 
 
-def load_tiny(model_dir: Path):
+def load_tiny(model_dir: Path, dtype: torch.dtype = torch.float32):
     from neuron_lmi.models import build_model
     from neuron_lmi.models.loader import load_checkpoint
 
-    ckpt = load_checkpoint(model_dir)
-    return build_model(ckpt.config, ckpt.state_dict, n_positions=N_POSITIONS)
+    ckpt = load_checkpoint(model_dir, dtype=dtype)
+    return build_model(ckpt.config, ckpt.state_dict, n_positions=N_POSITIONS, dtype=dtype)
 
 
 def counting(calls: list[tuple[str, int]], real: Callable[..., None]) -> Callable[..., None]:

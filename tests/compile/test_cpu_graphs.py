@@ -12,7 +12,7 @@ import torch
 from neuron_lmi.compile import cpu_decode, cpu_extend
 from neuron_lmi.engine.llm import LLM
 from neuron_lmi.engine.types import SamplingParams
-from neuron_lmi.models import mkl_linear
+from neuron_lmi.models import packed_linear
 from neuron_lmi.runners.cpu import CpuRunner
 from tests.compile.conftest import load_tiny
 
@@ -25,15 +25,30 @@ def _llm(model_dir: Path, **options: object) -> LLM:
     return LLM(str(model_dir), max_rolling_batch_size=N_ROWS, n_positions=N_POSITIONS, **options)
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_mistral_dir"])
+def on_library(model: str, library: str) -> object:
+    missing = not packed_linear.available(library)
+    return pytest.param(model, library, marks=pytest.mark.skipif(missing, reason=f"no {library} packed GEMM"))
+
+
+@pytest.mark.parametrize(
+    ("model", "library"),
+    [on_library("tiny_llama_dir", "mkl"), on_library("tiny_llama_dir", "onednn"), ("tiny_mistral_dir", None)],
+)
 def test_compiled_graphs_equal_eager_token_for_token(
-    model: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model: str,
+    library: str | None,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Six requests on four rows join and leave mid-batch, so steps run on windows with idle rows;
     Mistral's 16-token sliding window is crossed; one row fills all 128 positions, so its last step
     (attention over the whole cache) runs eagerly. Prompts are prefilled by the compiled extend,
-    those sharing a 16-token prefix with a running or retained row extend after a copied prefix."""
+    those sharing a 16-token prefix with a running or retained row extend after a copied prefix.
+    The fp32 GEMMs run on MKL's and on oneDNN's packs (Mistral: the host's library)."""
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
+    if library is not None:
+        monkeypatch.setenv(packed_linear.LIBRARY_ENV, library)
     model_dir = request.getfixturevalue(model)
     eager, compiled = _llm(model_dir), _llm(model_dir, compile_graphs=True)
     package, extend = compiled.core.runner.compiled_decode, compiled.core.runner.compiled_extend
@@ -48,8 +63,8 @@ def test_compiled_graphs_equal_eager_token_for_token(
     assert got == want
     assert [len(t) for t in got] == list(new)
     assert package.steps > 30  # the decode steps ran in the package, not eagerly
-    if mkl_linear.available():  # its fp32 GEMMs on packs of the package's own weights, one each
-        assert mkl_linear.cached_packs() >= len(cpu_decode.matmul_weights(compiled.core.runner.model))
+    if packed_linear.host_library() is not None:  # fp32 GEMMs on packs of the package's own weights
+        assert packed_linear.cached_packs() >= len(cpu_decode.matmul_weights(compiled.core.runner.model))
     assert extend.steps >= 3  # and the prefills in the other one
     assert not package.covers([0], torch.tensor([N_POSITIONS - 1]))  # the full-cache step: eager
     assert compiled.core.runner.rows.in_use() == []
@@ -96,7 +111,9 @@ def test_second_start_loads_from_the_cache_without_compiling(
         _llm(tiny_llama_dir, compile_graphs=True, no_compile=True)
 
 
-def test_models_and_caches_without_a_decode_graph(tiny_llama_dir: Path, tmp_path: Path) -> None:
+def test_models_and_caches_without_a_decode_graph(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from neuron_lmi.models.quantize import quantize_model
     from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
 
@@ -119,10 +136,22 @@ def test_models_and_caches_without_a_decode_graph(tiny_llama_dir: Path, tmp_path
     extend_key = cpu_decode.decode_key_inputs(dense, tiny_llama_dir, N_ROWS, N_POSITIONS, "extend")
     assert extend_key.key() != key.key()  # two graphs, two entries
     assert quantized_key.key() != key.key() and "weights=dense" in key.compiler_flags
-    # fp32 decode GEMMs run neuron_lmi::mkl_linear where MKL is there; the key says so, the extend's not.
-    mkl_flag = "fp32_gemm=neuron_lmi::mkl_linear"
-    assert (mkl_flag in key.compiler_flags) == mkl_linear.available()
-    assert mkl_flag not in extend_key.compiler_flags and mkl_flag not in quantized_key.compiler_flags
+    # fp32 decode GEMMs run the host's packed GEMM, the fp32 extend only oneDNN's, bf16 graphs only
+    # oneDNN's (with MKL the host's, Intel: Inductor's templates); the keys say which.
+    bf16 = load_tiny(tiny_llama_dir, torch.bfloat16)
+    for library, fp32_extend, bf16_graphs in (("mkl", False, False), ("onednn", True, True)):
+        if not packed_linear.available(library):
+            continue
+        monkeypatch.setenv(packed_linear.LIBRARY_ENV, library)
+        flag = f"packed_gemm=neuron_lmi::{library}_linear"
+
+        def flags(model: object, graph: str = "window-decode") -> tuple[str, ...]:
+            key = cpu_decode.decode_key_inputs(model, tiny_llama_dir, N_ROWS, N_POSITIONS, graph)
+            return key.compiler_flags
+
+        assert flag in flags(dense) and (flag in flags(dense, "extend")) == fp32_extend
+        assert (flag in flags(bf16)) == bf16_graphs and (flag in flags(bf16, "extend")) == bf16_graphs
+        assert not any(f.startswith("packed_gemm=") for f in flags(quantized))
 
 
 def test_compiled_extend_writes_the_cache_and_logits_eager_does(

@@ -1,0 +1,182 @@
+"""fp32 GEMMs on packed weights (``neuron_lmi.models.packed_linear``) against ATen's, on a real model.
+
+Two measurements, both in one process so that every variant sees the same host at the same time:
+
+    gemms    every matmul weight of the model (all layers and the head) multiplied by ``rows`` input
+             rows, one pass = the GEMMs of one decode step: ``F.linear`` (ATen's GEMM) against
+             ``neuron_lmi::mkl_linear`` and ``neuron_lmi::onednn_linear`` (packs made once)
+    graphs   (--graphs) the CPU engine's compiled decode and extend packages, built once per variant
+             (``NEURON_LMI_FP32_GEMM`` = aten, mkl, onednn; compiled into the compile cache on a
+             miss, minutes each), then a decode step at each row count (attention over
+             ``--attn-len`` positions) and a prefill of ``--prompt-tokens`` tokens, variants
+             interleaved round by round
+
+Medians of ``--repeat`` passes; the variant ``host`` marks is what ``packed_linear.host_library``
+picks on this CPU.
+
+    .venv/bin/python -m bench.packed_linear --rows 1,8,32 --graphs --out results/packed_linear.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from neuron_lmi.models import packed_linear
+
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def load_fp32(model: str, rows: int, n_positions: int):  # -> (model, path)
+    from neuron_lmi.engine.build import CpuEngineOptions, load_cpu_model
+    from neuron_lmi.models.loader import resolve_model_path
+
+    options = CpuEngineOptions(
+        model=model, dtype="fp32", max_rolling_batch_size=rows, n_positions=n_positions
+    )
+    path = resolve_model_path(model)
+    _, built, _ = load_cpu_model(options, path)
+    return built, path
+
+
+def median_ms(run: Callable[[], object], repeat: int) -> float:
+    run()  # the first pass packs the weights and warms the caches
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return round(statistics.median(times) * 1e3, 2)
+
+
+def time_gemms(weights: list[torch.Tensor], rows: list[int], repeat: int) -> dict[str, dict[int, float]]:
+    variants: dict[str, Linear] = {"aten": F.linear}
+    for library in packed_linear.LIBRARIES:
+        if packed_linear.available(library):
+            variants[library] = packed_linear.linear_op(library)
+    out: dict[str, dict[int, float]] = {name: {} for name in variants}
+    for n in rows:
+        inputs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}
+        for name, linear in variants.items():
+
+            def one_step(linear: Linear = linear, inputs: dict[int, torch.Tensor] = inputs) -> None:
+                for w in weights:
+                    linear(inputs[w.shape[1]], w)
+
+            out[name][n] = median_ms(one_step, repeat)
+    return out
+
+
+def open_variant(model, path: Path, variant: str, n_rows: int, n_positions: int):
+    """The runner with ``variant``'s compiled decode and extend (env var set while their keys are made)."""
+    from neuron_lmi.engine.build import open_compiled_graphs
+    from neuron_lmi.runners.cpu import CpuRunner
+
+    previous = os.environ.get(packed_linear.LIBRARY_ENV)
+    os.environ[packed_linear.LIBRARY_ENV] = variant
+    try:
+        runner = CpuRunner(model, n_rows, n_positions)
+        open_compiled_graphs(runner, path)
+    finally:
+        if previous is None:
+            os.environ.pop(packed_linear.LIBRARY_ENV)
+        else:
+            os.environ[packed_linear.LIBRARY_ENV] = previous
+    if runner.compiled_decode is None or runner.compiled_extend is None:
+        raise SystemExit(f"{variant}: this model has no compiled graphs")
+    return runner
+
+
+def time_graphs(args: argparse.Namespace, model, path: Path) -> dict[str, dict[str, float]]:
+    variants = ["aten", *(library for library in packed_linear.LIBRARIES if packed_linear.available(library))]
+    n_rows = max(args.rows)
+    runners = {v: open_variant(model, path, v, n_rows, args.n_positions) for v in variants}
+    cases: list[tuple[str, Callable[[object], object]]] = []
+    for n in args.rows:
+        rows, tokens, positions = list(range(n)), [1] * n, torch.full((n,), args.attn_len - 1)
+
+        def decode(runner, rows=rows, tokens=tokens, positions=positions) -> object:
+            return runner.compiled_decode(rows, tokens, positions, runner.cache.k, runner.cache.v)
+
+        cases.append((f"decode {n} rows", decode))
+    chunk = [[5] * args.prompt_tokens]
+
+    def prefill(runner) -> object:
+        return runner.compiled_extend([0], chunk, [0], runner.cache.k, runner.cache.v)
+
+    cases.append((f"prefill {args.prompt_tokens} tokens", prefill))
+    out: dict[str, dict[str, float]] = {v: {} for v in variants}
+    with torch.no_grad():
+        for name, case in cases:
+            samples: dict[str, list[float]] = {v: [] for v in variants}
+            for v in variants:
+                case(runners[v])  # warm: packs made, pages touched
+            for _ in range(args.repeat):  # interleaved: drift in the host's speed falls on all alike
+                for v in variants:
+                    started = time.perf_counter()
+                    case(runners[v])
+                    samples[v].append(time.perf_counter() - started)
+            for v in variants:
+                out[v][name] = round(statistics.median(samples[v]) * 1e3, 2)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="a checkpoint directory, .gguf file or built-in name")
+    p.add_argument("--rows", default="1,8,32", help="input rows (decode batch sizes), comma-separated")
+    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--graphs", action="store_true", help="also time the compiled decode and extend")
+    p.add_argument("--n-positions", type=int, default=512)
+    p.add_argument("--attn-len", type=int, default=124, help="decode attention length (graphs)")
+    p.add_argument("--prompt-tokens", type=int, default=60, help="prefill length (graphs)")
+    p.add_argument("--out", type=Path, help="also write the results as JSON here")
+    args = p.parse_args()
+    args.rows = [int(r) for r in args.rows.split(",")]
+    if max(args.rows) < 2 and args.graphs:
+        p.error("--graphs: the compiled decode needs a cache of at least 2 rows; give --rows up to 2 or more")
+    packed_linear.kernel()
+    model, path = load_fp32(args.model, max(args.rows), args.n_positions)
+    from neuron_lmi.compile.cpu_decode import matmul_weights
+
+    weights = [w for w in matmul_weights(model) if isinstance(w, torch.Tensor)]
+    result: dict[str, object] = {
+        "model": args.model,
+        "cpu_vendor": packed_linear.cpu_vendor(),
+        "host_library": packed_linear.host_library() or "aten",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "weights": len(weights),
+        "weight_mb": round(sum(w.numel() * w.element_size() for w in weights) / 1e6, 1),
+    }
+    gemms = time_gemms(weights, args.rows, args.repeat)
+    result["gemms_ms"] = gemms
+    print(f"{result['model']}: {result['weights']} fp32 weights ({result['weight_mb']} MB), "
+          f"{result['threads']} threads, {result['cpu_vendor'] or 'unknown vendor'}, host library "
+          f"{result['host_library']}")  # fmt: skip
+    print("one step's GEMMs, ms:  rows  " + "  ".join(f"{v:>8}" for v in gemms))
+    for n in args.rows:
+        print(f"{'':22}{n:5}  " + "  ".join(f"{gemms[v][n]:8.1f}" for v in gemms))
+    if args.graphs:
+        graphs = time_graphs(args, model, path)
+        result["graphs_ms"] = graphs
+        names = list(next(iter(graphs.values())))
+        print("compiled graphs, ms:" + "".join(f"  {v:>8}" for v in graphs))
+        for name in names:
+            print(f"  {name:18}" + "".join(f"  {graphs[v][name]:8.1f}" for v in graphs))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, **result}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

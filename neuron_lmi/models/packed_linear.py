@@ -1,0 +1,234 @@
+"""fp32 GEMMs on packed weights inside the compiled graphs: ``torch.ops.neuron_lmi.mkl_linear`` and
+``torch.ops.neuron_lmi.onednn_linear``.
+
+A decode step multiplies a few rows by every weight, and the weights stream from memory. The ATen
+``mm`` an fp32 AOTInductor package calls on its frozen weights is MKL's plain SGEMM, which re-blocks
+the weight on every call. A weight blocked once, in MKL's packed layout (``cblas_sgemm_pack``, which
+torch exposes as ``mkl::_mkl_linear``) or in oneDNN's (``mkldnn::_linear_pointwise``), runs those
+shapes faster; which of the two depends on the CPU. All of SmolLM2's decode GEMMs (30 layers and the
+49152 x 576 head), one step, 2 threads, torch 2.13 (``python -m bench.packed_linear``):
+
+    host                         rows   F.linear   oneDNN packed   MKL packed
+    Intel Xeon, AVX-512 + AMX    1      21 ms      42 ms           29-33 ms
+                                 8      74 ms      57 ms           49 ms
+                                 32     88-103 ms  80-95 ms        58-66 ms
+    AMD EPYC (Zen 5), AVX-512    1      33 ms      17 ms           26 ms
+                                 8      46 ms      16 ms           49 ms
+                                 32     70 ms      28 ms           80 ms
+
+MKL runs its AVX-512 kernels on Intel CPUs only; on others oneDNN's are more than twice as fast.
+``host_library`` picks by the CPU's vendor (``NEURON_LMI_FP32_GEMM`` overrides it).
+
+Inductor uses packed GEMMs itself in JIT mode only: in an AOT package a pack cannot be a constant
+(MKL keeps address-dependent metadata in it, oneDNN's is an opaque tensor), and its lowering wants a
+static row count. These ops take the plain weight, which the package freezes as usual, and pack it
+on first use in this process: one pack per weight storage and library, reused by every row count
+(MKL's packed layout does not depend on the rows, and ``mkl::_mkl_linear`` is told the actual count,
+so it never falls back to ``F.linear``; oneDNN's is chosen for ``PACK_ROWS`` and runs any count).
+Results differ from ``F.linear`` in the last bits only (another summation order; greedy ids stayed
+the eager engine's: ``tests/compile/test_cpu_graphs.py``).
+
+Inside a package, AOTInductor's proxy executor calls an op through the dispatcher. The kernels are
+native (``packed_linear.cpp``, built on first use with torch's C++ extension builder, about 15 s,
+into ``~/.cache/neuron-lmi/kernels``): a Python kernel costs about 30 us a call there, 3.5 ms over
+SmolLM2's 121 GEMMs a step, which made a one-row step slower than ATen's. Where the build fails (no
+C++ compiler) the Python kernels below run instead, with a warning. Importing this module defines
+the ops; ``kernel()`` registers their CPU kernels, which tracing (``tracing_packed_linears``) and
+opening a package (``cpu_decode.open_frozen_entry``) do first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from neuron_lmi.models.quant import dense_linear_kernel
+
+log = logging.getLogger(__name__)
+
+LIBRARIES = ("mkl", "onednn")
+DTYPES = {"mkl": (torch.float32,), "onednn": (torch.float32, torch.bfloat16)}  # the weights each packs
+SOURCE = Path(__file__).with_suffix(".cpp")
+PACK_ROWS = 32  # what a pack is made for; any row count runs on it (as in packed_linear.cpp)
+NATIVE_ENV = "NEURON_LMI_NATIVE_KERNELS"  # "0": the Python kernels (debugging; their own test)
+LIBRARY_ENV = "NEURON_LMI_FP32_GEMM"  # "mkl", "onednn" or "aten" (no op): instead of the vendor rule
+
+_library = torch.library.Library("neuron_lmi", "DEF")
+for _name in LIBRARIES:
+    _library.define(f"{_name}_linear(Tensor x, Tensor weight) -> Tensor")
+
+    @torch.library.register_fake(f"neuron_lmi::{_name}_linear", lib=_library)
+    def _linear_shape(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def op_name(library: str) -> str:
+    """The op that multiplies on ``library``'s packs: ``neuron_lmi::mkl_linear`` or ``onednn_linear``."""
+    return f"neuron_lmi::{library}_linear"
+
+
+def available(library: str) -> bool:
+    """Whether this torch build has ``library``'s packed GEMM (x86 builds have both)."""
+    if library == "mkl":
+        return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_linear")
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``), or "" where it cannot be read."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "vendor_id":
+                return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def host_library(vendor: str | None = None) -> str | None:
+    """The packed GEMM the compiled fp32 graphs call on this host: MKL on Intel CPUs, oneDNN on the
+    others (see the table above); None where neither is there. ``NEURON_LMI_FP32_GEMM`` overrides
+    the rule (``aten``: None, the packages' own ATen GEMM)."""
+    forced = os.environ.get(LIBRARY_ENV)
+    if forced:
+        if forced == "aten":
+            return None
+        choices = [library for library in LIBRARIES if available(library)] + ["aten"]
+        if forced not in choices:
+            raise ValueError(f"{LIBRARY_ENV}={forced!r}: expected one of {', '.join(choices)}")
+        return forced
+    vendor = cpu_vendor() if vendor is None else vendor
+    order = ("mkl", "onednn") if vendor == "GenuineIntel" else ("onednn", "mkl")
+    return next((library for library in order if available(library)), None)
+
+
+_kernel: str | None = None  # "native" or "python", once registered
+_lock = threading.Lock()
+
+
+def kernel() -> str:
+    """Register the ops' CPU kernels once (``native``, else ``python``) and say which run."""
+    global _kernel
+    with _lock:
+        if _kernel is None:
+            _kernel = "native" if _load_native() else "python"
+            if _kernel == "python":
+                for library in LIBRARIES:
+                    _library.impl(f"{library}_linear", _python_kernel(library), "CPU")
+    return _kernel
+
+
+def build_directory() -> Path:
+    """Per torch version and source: a new torch or a changed kernel builds again."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+    return base / "neuron-lmi" / "kernels" / f"torch-{torch.__version__}-{digest}"
+
+
+@contextmanager
+def _interpreter_bin_on_path() -> Iterator[None]:
+    # The builder runs ``ninja`` from PATH; pip's ninja lands beside this interpreter.
+    previous = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), previous])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = previous
+
+
+def _load_native() -> bool:
+    if os.environ.get(NATIVE_ENV) == "0":
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        directory = build_directory()
+        directory.mkdir(parents=True, exist_ok=True)
+        with _interpreter_bin_on_path():
+            load(
+                name="neuron_lmi_packed_linear",
+                sources=[str(SOURCE)],
+                extra_cflags=["-O2"],
+                build_directory=str(directory),
+                is_python_module=False,
+            )
+    except Exception as exc:  # no compiler or ninja, a failed build: the Python kernels still work
+        log.warning("packed linear ops: native kernels unavailable (%s); the Python kernels run instead", exc)
+        return False
+    return True
+
+
+# The Python kernels. (weight.data_ptr(), library) -> (a weak reference to its storage, its layout,
+# the pack): a storage that died may have its address reused by another weight, and a transposed
+# view shares the address of what it views, so only a live storage with the same shape and strides
+# reuses a pack.
+_packs: dict[tuple[int, str], tuple[StorageWeakRef, tuple[tuple[int, ...], ...], torch.Tensor]] = {}
+_packs_lock = threading.Lock()
+
+
+def _make_pack(weight: torch.Tensor, library: str) -> torch.Tensor:
+    if library == "mkl":
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), PACK_ROWS)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
+
+
+def _packed(weight: torch.Tensor, library: str) -> torch.Tensor:
+    key, layout = (weight.data_ptr(), library), (tuple(weight.shape), weight.stride())
+    hit = _packs.get(key)
+    if hit is not None and not hit[0].expired() and hit[1] == layout:
+        return hit[2]
+    for stale in [k for k, (ref, _, _) in _packs.items() if ref.expired()]:
+        del _packs[stale]
+    pack = _make_pack(weight, library)
+    _packs[key] = (StorageWeakRef(weight.untyped_storage()), layout, pack)
+    return pack
+
+
+def _python_kernel(library: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def run(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        with _packs_lock:
+            pack = _packed(weight, library)
+        if library == "mkl":
+            out = torch.ops.mkl._mkl_linear.default(rows, pack, weight, None, rows.shape[0])
+        else:
+            out = torch.ops.mkldnn._linear_pointwise.default(rows, pack, None, "none", [], "")
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    return run
+
+
+def cached_packs() -> int:
+    """How many packs of live weights the registered kernels hold (0 before ``kernel()``)."""
+    if _kernel == "native":
+        return int(torch.ops.neuron_lmi.packed_linear_live_packs())
+    return sum(not ref.expired() for ref, _, _ in _packs.values())
+
+
+def linear_op(library: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``x @ weight.T`` (``weight`` 2-D; fp32, or bf16 for oneDNN) through ``library``'s op: what a
+    traced graph records."""
+    return getattr(torch.ops.neuron_lmi, f"{library}_linear")
+
+
+def tracing_packed_linears(
+    library: str | None, dtype: torch.dtype = torch.float32
+) -> AbstractContextManager[None]:
+    """While tracing, dense 2-D ``dtype`` weights multiply through ``library``'s op (None: ``F.linear``)."""
+    if library is None:
+        return nullcontext()
+    if dtype not in DTYPES[library]:
+        takes = ", ".join(map(str, DTYPES[library]))
+        raise ValueError(f"{op_name(library)} takes {takes} weights, not {dtype}")
+    kernel()
+    return dense_linear_kernel(linear_op(library), dtype)
