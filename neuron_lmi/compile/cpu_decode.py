@@ -7,15 +7,16 @@ and extend run ``cpu_extend``'s). The package holds a ``WindowDecodeGraph`` expo
 window (cache rows ``0..n-1``, ``2 <= n <= n_rows``) and a dynamic attention length
 (``2 <= L < n_positions``), so one compile serves every batch and length. Inductor compiles it with
 ``freezing``: the weights become constants it packs for oneDNN and fuses around (norms, rotary,
-SiLU, residuals in a few C++ loops), which is what makes it pay: on this project's 2-core
-AVX-512/AMX host, SmolLM2's decode step at 32 rows took 56 ms (bf16) and 94 ms (fp32) against
-77-89 ms and 146 ms eager with packed weights, and 32 ms against about 37 ms at 2 rows; in bf16
-the GEMMs are Inductor's own CPU templates (``BF16_DECODE_CONFIGS``), in fp32 a packed GEMM through
-``neuron_lmi::mkl_linear`` on Intel CPUs or ``neuron_lmi::onednn_linear`` on others
-(``models.packed_linear``; ``packed_gemm_library``): on the Intel host 79 against 102 ms for ATen's
-GEMM at 32 rows, 43 against 67 at 8, the same at one row; on a 2-core AMD EPYC (Zen 5) 44 against
-95 ms at 32 rows, 15 against 26 at one. Eager remains the path of the parity tests
-(``CpuEngineOptions.compile_graphs=False``, ``option.enforce_eager``).
+SiLU, residuals and the decode attention, ``graphs.compiled_decode_attention``, in a few C++
+loops), which is what makes it pay: on a 2-core Intel AVX-512/AMX host, SmolLM2's decode step at
+32 rows took 56 ms (bf16) and 94 ms (fp32) against 77-89 ms and 146 ms eager with packed weights,
+and 32 ms against about 37 ms at 2 rows. The dense GEMMs run where ``packed_gemm_library`` says:
+in fp32 a packed GEMM through ``neuron_lmi::mkl_linear`` on Intel CPUs or
+``neuron_lmi::onednn_linear`` on others (``models.packed_linear``): on the Intel host 79 against
+102 ms for ATen's GEMM at 32 rows, 43 against 67 at 8, the same at one row; on a 2-core AMD EPYC
+(Zen 5) 44 against 95 ms at 32 rows, 15 against 26 at one. In bf16 oneDNN's op on those other
+hosts, Inductor's own CPU templates on Intel (``BF16_DECODE_CONFIGS``). Eager remains the path of
+the parity tests (``CpuEngineOptions.compile_graphs=False``, ``option.enforce_eager``).
 
 With ``option.quantize`` the weights stay quantized in the decode graph: it calls torch's packed
 int8/int4 kernels (``aten._weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``, which Inductor
@@ -115,8 +116,9 @@ def packed_gemm_library(model: LlamaForCausalLM, graph: str) -> str | None:
     MKL's packs did not beat there (60 to 256 rows: 113-119 against 119-142 ms for a 60-token prompt,
     295-314 ms both for a 256-token one).
 
-    bf16: oneDNN's where it is the host's library (no AMX: on the AMD host the decode step at 32
-    rows took XX against YY ms); on Intel, Inductor's AMX templates and ATen's GEMM, autotuned.
+    bf16: oneDNN's where it is the host's library: on the AMD host a decode step at 32 rows took 25.9
+    against 30.4 ms with Inductor's autotuned choice (ATen's GEMM there), a 60-token prompt 24.7
+    against 31.4 ms. On Intel, Inductor's AMX templates and ATen's GEMM, autotuned.
 
     A weight goes through the op where ``quant.linear`` routes it: a 2-D tensor of the model's dtype
     (not an expert stack, not a quantized weight)."""
