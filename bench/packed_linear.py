@@ -6,7 +6,7 @@ Two measurements, both in one process so that every variant sees the same host a
              rows, one pass = the GEMMs of one decode step: ``F.linear`` (ATen's GEMM) against
              ``neuron_lmi::mkl_linear`` and ``neuron_lmi::onednn_linear`` (packs made once)
     graphs   (--graphs) the CPU engine's compiled decode and extend packages, built once per variant
-             (``NEURON_LMI_FP32_GEMM`` = aten, mkl, onednn; compiled into the compile cache on a
+             (``NEURON_LMI_PACKED_GEMM`` = aten, mkl, onednn; compiled into the compile cache on a
              miss, minutes each), then a decode step at each row count (attention over
              ``--attn-len`` positions) and a prefill of ``--prompt-tokens`` tokens, variants
              interleaved round by round

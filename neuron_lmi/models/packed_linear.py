@@ -17,7 +17,7 @@ shapes faster; which of the two depends on the CPU. All of SmolLM2's decode GEMM
                                  32     70 ms      28 ms           80 ms
 
 MKL runs its AVX-512 kernels on Intel CPUs only; on others oneDNN's are more than twice as fast.
-``host_library`` picks by the CPU's vendor (``NEURON_LMI_FP32_GEMM`` overrides it).
+``host_library`` picks by the CPU's vendor (``NEURON_LMI_PACKED_GEMM`` overrides it).
 
 Inductor uses packed GEMMs itself in JIT mode only: in an AOT package a pack cannot be a constant
 (MKL keeps address-dependent metadata in it, oneDNN's is an opaque tensor), and its lowering wants a
@@ -60,7 +60,7 @@ DTYPES = {"mkl": (torch.float32,), "onednn": (torch.float32, torch.bfloat16)}  #
 SOURCE = Path(__file__).with_suffix(".cpp")
 PACK_ROWS = 32  # what a pack is made for; any row count runs on it (as in packed_linear.cpp)
 NATIVE_ENV = "NEURON_LMI_NATIVE_KERNELS"  # "0": the Python kernels (debugging; their own test)
-LIBRARY_ENV = "NEURON_LMI_FP32_GEMM"  # "mkl", "onednn" or "aten" (no op): instead of the vendor rule
+LIBRARY_ENV = "NEURON_LMI_PACKED_GEMM"  # "mkl", "onednn" or "aten" (no op): instead of the vendor rule
 
 _library = torch.library.Library("neuron_lmi", "DEF")
 for _name in LIBRARIES:
@@ -96,9 +96,10 @@ def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 
 def host_library(vendor: str | None = None) -> str | None:
-    """The packed GEMM the compiled fp32 graphs call on this host: MKL on Intel CPUs, oneDNN on the
-    others (see the table above); None where neither is there. ``NEURON_LMI_FP32_GEMM`` overrides
-    the rule (``aten``: None, the packages' own ATen GEMM)."""
+    """The packed GEMM the compiled graphs call on this host (fp32; bf16 too where it is oneDNN's:
+    ``cpu_decode.packed_gemm_library``): MKL on Intel CPUs, oneDNN on the others (see the table
+    above); None where neither is there. ``NEURON_LMI_PACKED_GEMM`` overrides the rule (``aten``:
+    None, what Inductor picks itself)."""
     forced = os.environ.get(LIBRARY_ENV)
     if forced:
         if forced == "aten":

@@ -144,7 +144,7 @@ def test_the_host_library_is_mkl_on_intel_and_onednn_elsewhere(
     monkeypatch.setenv(packed_linear.LIBRARY_ENV, "aten")
     assert packed_linear.host_library("GenuineIntel") is None
     monkeypatch.setenv(packed_linear.LIBRARY_ENV, "blas")
-    with pytest.raises(ValueError, match="NEURON_LMI_FP32_GEMM='blas'"):
+    with pytest.raises(ValueError, match="NEURON_LMI_PACKED_GEMM='blas'"):
         packed_linear.host_library()
 
 
