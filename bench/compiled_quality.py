@@ -20,20 +20,13 @@ from pathlib import Path
 import torch
 
 from bench.quantization import PROMPTS, TEXT
+from neuron_lmi.engine.llm import LLM
 
 
-def build_runner(model: str, dtype: str, compiled: bool, rows: int, n_positions: int):  # -> CpuRunner
-    from neuron_lmi.engine.build import CpuEngineOptions, load_cpu_model, open_compiled_graphs
-    from neuron_lmi.models.loader import resolve_model_path
-    from neuron_lmi.runners.cpu import CpuRunner
-
-    options = CpuEngineOptions(model=model, dtype=dtype, max_rolling_batch_size=rows, n_positions=n_positions)
-    path = resolve_model_path(model)
-    _, built, positions = load_cpu_model(options, path)
-    runner = CpuRunner(built, rows, positions)
-    if compiled:
-        open_compiled_graphs(runner, path)
-    return runner
+def build(model: str, dtype: str, compiled: bool, rows: int, n_positions: int) -> LLM:
+    """The engine as the server builds it (``llm.core.runner`` is its runner)."""
+    options = {"max_rolling_batch_size": rows, "n_positions": n_positions, "dtype": dtype}
+    return LLM(model, compile_graphs=compiled, **options)
 
 
 def top1_tokens(
@@ -66,23 +59,21 @@ def main() -> int:
         dtype, _, mode = v.partition("-")
         if dtype not in ("fp32", "bf16") or mode not in ("eager", "compiled"):
             p.error(f"--variants: {v!r} is not <fp32|bf16>-<eager|compiled>")
-    reference = build_runner(args.model, "fp32", False, args.rows, args.n_positions)
-    from neuron_lmi.models.loader import load_checkpoint, load_tokenizer, resolve_model_path
-
-    tokenizer = load_tokenizer(load_checkpoint(resolve_model_path(args.model)))
+    reference = build(args.model, "fp32", False, args.rows, args.n_positions)
+    tokenizer = reference.tokenizer
     words = TEXT.split()
     candidates = [*PROMPTS, *(" ".join(words[i : i + 40]) for i in range(0, len(words), 25))]
     prompts = [ids for ids in (tokenizer.encode(c) for c in candidates) if len(ids) > 4][: args.prompts]
     if len(prompts) > args.rows:
         p.error(f"--prompts {len(prompts)} exceeds --rows {args.rows}")
-    want = top1_tokens(reference, prompts, args.new_tokens, None)
+    want = top1_tokens(reference.core.runner, prompts, args.new_tokens, None)
     results: dict[str, float] = {}
     shape = f"{len(prompts)} prompts x {args.new_tokens} tokens"
     print(f"teacher-forced top-1 agreement with fp32 eager, {shape}")
     for v in variants:
         dtype, _, mode = v.partition("-")
-        runner = build_runner(args.model, dtype, mode == "compiled", args.rows, args.n_positions)
-        got = top1_tokens(runner, prompts, args.new_tokens, want)
+        llm = build(args.model, dtype, mode == "compiled", args.rows, args.n_positions)
+        got = top1_tokens(llm.core.runner, prompts, args.new_tokens, want)
         results[v] = round(float((got == want).float().mean()), 4)
         print(f"  {v:>14}  {results[v]:.4f}", flush=True)
     if args.out:

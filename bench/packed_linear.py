@@ -30,21 +30,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from neuron_lmi.compile.cpu_decode import matmul_weights
+from neuron_lmi.engine.llm import LLM
 from neuron_lmi.models import packed_linear
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def load_fp32(model: str, rows: int, n_positions: int):  # -> (model, path)
-    from neuron_lmi.engine.build import CpuEngineOptions, load_cpu_model
-    from neuron_lmi.models.loader import resolve_model_path
-
-    options = CpuEngineOptions(
-        model=model, dtype="fp32", max_rolling_batch_size=rows, n_positions=n_positions
-    )
-    path = resolve_model_path(model)
-    _, built, _ = load_cpu_model(options, path)
-    return built, path
+def fp32_engine(model: str, rows: int, n_positions: int, compiled: bool = False) -> LLM:
+    """The fp32 engine as the server builds it (``llm.core.runner`` is its runner)."""
+    options = {"max_rolling_batch_size": rows, "n_positions": n_positions, "dtype": "fp32"}
+    return LLM(model, compile_graphs=compiled, **options)
 
 
 def median_ms(run: Callable[[], object], repeat: int) -> float:
@@ -75,16 +71,12 @@ def time_gemms(weights: list[torch.Tensor], rows: list[int], repeat: int) -> dic
     return out
 
 
-def open_variant(model, path: Path, variant: str, n_rows: int, n_positions: int):
+def open_variant(args: argparse.Namespace, variant: str):  # -> CpuRunner
     """The runner with ``variant``'s compiled decode and extend (env var set while their keys are made)."""
-    from neuron_lmi.engine.build import open_compiled_graphs
-    from neuron_lmi.runners.cpu import CpuRunner
-
     previous = os.environ.get(packed_linear.LIBRARY_ENV)
     os.environ[packed_linear.LIBRARY_ENV] = variant
     try:
-        runner = CpuRunner(model, n_rows, n_positions)
-        open_compiled_graphs(runner, path)
+        runner = fp32_engine(args.model, max(args.rows), args.n_positions, compiled=True).core.runner
     finally:
         if previous is None:
             os.environ.pop(packed_linear.LIBRARY_ENV)
@@ -95,10 +87,9 @@ def open_variant(model, path: Path, variant: str, n_rows: int, n_positions: int)
     return runner
 
 
-def time_graphs(args: argparse.Namespace, model, path: Path) -> dict[str, dict[str, float]]:
+def time_graphs(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     variants = ["aten", *(library for library in packed_linear.LIBRARIES if packed_linear.available(library))]
-    n_rows = max(args.rows)
-    runners = {v: open_variant(model, path, v, n_rows, args.n_positions) for v in variants}
+    runners = {v: open_variant(args, v) for v in variants}
     cases: list[tuple[str, Callable[[object], object]]] = []
     for n in args.rows:
         rows, tokens, positions = list(range(n)), [1] * n, torch.full((n,), args.attn_len - 1)
@@ -144,9 +135,7 @@ def main() -> int:
     if max(args.rows) < 2 and args.graphs:
         p.error("--graphs: the compiled decode needs a cache of at least 2 rows; give --rows up to 2 or more")
     packed_linear.kernel()
-    model, path = load_fp32(args.model, max(args.rows), args.n_positions)
-    from neuron_lmi.compile.cpu_decode import matmul_weights
-
+    model = fp32_engine(args.model, max(args.rows), args.n_positions).core.runner.model
     weights = [w for w in matmul_weights(model) if isinstance(w, torch.Tensor)]
     result: dict[str, object] = {
         "model": args.model,
@@ -166,7 +155,7 @@ def main() -> int:
     for n in args.rows:
         print(f"{'':22}{n:5}  " + "  ".join(f"{gemms[v][n]:8.1f}" for v in gemms))
     if args.graphs:
-        graphs = time_graphs(args, model, path)
+        graphs = time_graphs(args)
         result["graphs_ms"] = graphs
         names = list(next(iter(graphs.values())))
         print("compiled graphs, ms:" + "".join(f"  {v:>8}" for v in graphs))
