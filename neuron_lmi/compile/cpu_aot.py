@@ -33,6 +33,7 @@ import torch
 
 from compile_cache.key import CacheKeyInputs, context_buckets, fingerprint_weights, token_generation_buckets
 from neuron_lmi.compile.graphs import DecodeGraph, PrefillGraph, check_compilable, constant_tensors
+from neuron_lmi.models import decode_attention, packed_linear
 from neuron_lmi.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ PLAN_FILE = "graphs.json"
 INDUCTOR_CONFIGS: Mapping[str, Any] = MappingProxyType({"aot_inductor.package_constants_in_so": False})
 # Bump when graphs.py or this module changes what a package computes or expects: old entries then
 # stop matching instead of being loaded with the wrong inputs.
-GRAPHS_VERSION = 3
+GRAPHS_VERSION = 4
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Fields of ModelArgs that do not change a graph (token ids are the engine's business).
 _NON_GRAPH_FIELDS = ("bos_token_id", "eos_token_ids")
@@ -154,7 +155,10 @@ def load_package(path: Path) -> Any:
     """``aoti_load_package`` minus its device-information probe, which compiles and dlopens test
     programs in subprocesses (seconds per process) only to log a warning on mismatch; the cache key
     already pins the torch version and ``cpu_capability``. Falls back to the public loader when the
-    internal class differs in this torch."""
+    internal class differs in this torch. The ``neuron_lmi::`` ops' kernels are registered first: a
+    package calls them through the dispatcher."""
+    decode_attention.kernel()
+    packed_linear.kernel()
     try:
         from torch.export.pt2_archive._package import AOTICompiledModel
 

@@ -7,8 +7,8 @@ and extend run ``cpu_extend``'s). The package holds a ``WindowDecodeGraph`` expo
 window (cache rows ``0..n-1``, ``2 <= n <= n_rows``) and a dynamic attention length
 (``2 <= L < n_positions``), so one compile serves every batch and length. Inductor compiles it with
 ``freezing``: the weights become constants it packs for oneDNN and fuses around (norms, rotary,
-SiLU, residuals and the decode attention, ``graphs.compiled_decode_attention``, in a few C++
-loops), which is what makes it pay: on a 2-core Intel AVX-512/AMX host, SmolLM2's decode step at
+SiLU, residuals, in a few C++ loops; the decode attention is one C++ op, ``models.decode_attention``),
+which is what makes it pay: on a 2-core Intel AVX-512/AMX host, SmolLM2's decode step at
 32 rows took 56 ms (bf16) and 94 ms (fp32) against 77-89 ms and 146 ms eager with packed weights,
 and 32 ms against about 37 ms at 2 rows. The dense GEMMs run where ``packed_gemm_library`` says:
 in fp32 a packed GEMM through ``neuron_lmi::mkl_linear`` on Intel CPUs or
@@ -73,7 +73,7 @@ DECODE_INDUCTOR_CONFIGS = MappingProxyType({"freezing": True, "aot_inductor.pack
 BF16_DECODE_CONFIGS = MappingProxyType({"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"})
 # Per graph: bump when WindowDecodeGraph / ExtendGraph or their inputs change what a package
 # computes or expects (the version is part of the key, so old entries stop matching).
-GRAPH_VERSIONS = MappingProxyType({"window-decode": 3, "extend": 1})
+GRAPH_VERSIONS = MappingProxyType({"window-decode": 4, "extend": 1})
 # A window of one row is exported (the example has more: torch.export specialises a dimension whose
 # example is 1); the attention length starts at 2 (length 1 is never decoded, only padded).
 MIN_WINDOW, MIN_ATTN_LEN = 1, 2
@@ -329,8 +329,6 @@ def open_frozen_entry(
         log.info("compiled %s off: %s; running it eagerly", kind.graph, reason)
         return None
     started = time.monotonic()
-    if packed_gemm_library(model, kind.graph) is not None:
-        packed_linear.kernel()  # the package calls neuron_lmi::*_linear: their kernels first
     inputs = decode_key_inputs(model, weights_path, n_rows, n_positions, kind.graph)
     compiled: list[bool] = []
 

@@ -4,8 +4,8 @@ one decode graph with a dynamic batch and length (the CPU engine's compiled deco
 
 All reuse the eager model's layer code (``DecoderLayer.qkv/attn_out/mlp``, ``apply_rotary``) so
 compiled and eager compute the same thing; decode attention is the eager ``grouped_decode_attention``
-written in a form Inductor compiles itself (``compiled_decode_attention``: the same values, summed in
-another order). Differences from eager, all forced by static shapes:
+done by one C++ op (``models.decode_attention``: the same values, summed in another order, each row
+reading only its own positions). Differences from eager, all forced by static shapes:
 
 * weights and rotary tables are *constants* of the graph (the wrapper's parameters and buffers,
   named by ``constant_tensors``); for the bucket graphs AOTInductor is told not to embed them, and
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from neuron_lmi.models.decode_attention import decode_attention
 from neuron_lmi.models.llama import DecoderLayer, LlamaForCausalLM
 from neuron_lmi.models.rope import apply_rotary
 
@@ -108,28 +109,6 @@ def right_padded(chunks: Sequence[Sequence[int]], width: int) -> torch.Tensor:
     return tokens
 
 
-def compiled_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """``grouped_decode_attention`` (one query per row, KV heads not expanded) written as products and
-    sums over the head dimension and the positions, which Inductor compiles into its own fused,
-    vectorised loops; the eager model keeps SDPA, for which this form would materialise
-    ``[B, KVH, G, L, D]`` products. torch's CPU flash-attention kernel multiplies each query row by a
-    gemv through MKL (or oneDNN in bf16), one small call per row and head. SmolLM2's shapes (32 rows,
-    9/3 heads, 30 layers, strided cache slices), 2-core AMD EPYC (Zen 5), per step: fp32 4.6 against
-    7.7 ms at 124 positions; bf16 4.6 against 43 ms (``neuron_lmi/compile/cpu_decode.py``).
-
-    q: [B, H, 1, D]; k, v: [B, KVH, L, D]; mask: [B, 1, 1, L] bool (True = attend)."""
-    b, h, _, d = q.shape
-    kvh = k.shape[1]
-    grouped = q.view(b, kvh, h // kvh, 1, d)  # the G query heads that share each KV head
-    scores = (grouped.float() * k[:, :, None].float()).sum(-1) * scale  # [B, KVH, G, L], fp32
-    scores = scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))
-    weights = torch.softmax(scores, dim=-1)  # fp32, and the products with V too (fused: no copy)
-    out = (weights[..., None] * v[:, :, None].float()).sum(3)  # [B, KVH, G, D]
-    return out.reshape(b, h, 1, d).to(q.dtype)
-
-
 def decode_rows(
     graph: _Graph,
     tokens: torch.Tensor,
@@ -144,7 +123,7 @@ def decode_rows(
     m, n, length = graph.model, tokens.shape[0], key_pos.shape[0]
     rows = torch.arange(n)
     cos, sin = graph.rope_cos[positions][:, None], graph.rope_sin[positions][:, None]
-    mask = m.window_mask(positions[:, None], key_pos[None, :]).view(n, 1, 1, length)
+    window = m.args.sliding_window or 0
     keep = active[:, None, None]
     x = F.embedding(tokens[:, None], m.embed)
     for i, layer in enumerate(m.layers):
@@ -156,7 +135,7 @@ def decode_rows(
         k_cache[slot] = torch.where(keep, k[:, :, 0], k_cache[slot])
         v_cache[slot] = torch.where(keep, v[:, :, 0], v_cache[slot])
         k_all, v_all = k_cache[i, :n, :, :length], v_cache[i, :n, :, :length]
-        attn = compiled_decode_attention(q, k_all, v_all, mask, m.scale)
+        attn = decode_attention(q, k_all, v_all, positions, m.scale, window)
         x = x + layer.attn_out(attn)
         x = x + layer.mlp(x)
     return m.logits(x[:, 0])

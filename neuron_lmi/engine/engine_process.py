@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import operator
 import pickle
@@ -117,6 +118,10 @@ def engine_main(conn: Connection) -> None:
         with contextlib.suppress(OSError):
             conn.send((FAILED, _picklable(exc)))
         return
+    # Everything built so far (weights, packages, tokenizer: long-lived) leaves the collector's
+    # view: its full passes, set off by the objects every step allocates, no longer walk it.
+    gc.collect()
+    gc.freeze()
     try:
         conn.send((READY, info))
         EngineLoop(core, conn).run()

@@ -29,40 +29,37 @@ Results differ from ``F.linear`` in the last bits only (another summation order;
 the eager engine's: ``tests/compile/test_cpu_graphs.py``).
 
 Inside a package, AOTInductor's proxy executor calls an op through the dispatcher. The kernels are
-native (``packed_linear.cpp``, built on first use with torch's C++ extension builder, about 15 s,
-into ``~/.cache/neuron-lmi/kernels``): a Python kernel costs about 30 us a call there, 3.5 ms over
-SmolLM2's 121 GEMMs a step, which made a one-row step slower than ATen's. Where the build fails (no
-C++ compiler) the Python kernels below run instead, with a warning. Importing this module defines
+native (``packed_linear.cpp``, built on first use with the other ops' kernels: ``models.native``):
+a Python kernel costs about 30 us a call there, 3.5 ms over SmolLM2's 121 GEMMs a step, which made a
+one-row step slower than ATen's. Where the build fails (no C++ compiler) the Python kernels below run
+instead, with a warning. Importing this module defines
 the ops; ``kernel()`` registers their CPU kernels, which tracing (``tracing_packed_linears``) and
 opening a package (``cpu_decode.open_frozen_entry``) do first.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from neuron_lmi.models import native
 from neuron_lmi.models.quant import dense_linear_kernel
 
 log = logging.getLogger(__name__)
 
 LIBRARIES = ("mkl", "onednn")
 DTYPES = {"mkl": (torch.float32,), "onednn": (torch.float32, torch.bfloat16)}  # the weights each packs
-SOURCE = Path(__file__).with_suffix(".cpp")
 PACK_ROWS = 32  # what a pack is made for; any row count runs on it (as in packed_linear.cpp)
-NATIVE_ENV = "NEURON_LMI_NATIVE_KERNELS"  # "0": the Python kernels (debugging; their own test)
 LIBRARY_ENV = "NEURON_LMI_PACKED_GEMM"  # "mkl", "onednn" or "aten" (no op): instead of the vendor rule
 
-_library = torch.library.Library("neuron_lmi", "DEF")
+_library = torch.library.Library("neuron_lmi", "FRAGMENT")
 for _name in LIBRARIES:
     _library.define(f"{_name}_linear(Tensor x, Tensor weight) -> Tensor")
 
@@ -122,51 +119,11 @@ def kernel() -> str:
     global _kernel
     with _lock:
         if _kernel is None:
-            _kernel = "native" if _load_native() else "python"
+            _kernel = "native" if native.load() else "python"
             if _kernel == "python":
                 for library in LIBRARIES:
                     _library.impl(f"{library}_linear", _python_kernel(library), "CPU")
     return _kernel
-
-
-def build_directory() -> Path:
-    """Per torch version and source: a new torch or a changed kernel builds again."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
-    return base / "neuron-lmi" / "kernels" / f"torch-{torch.__version__}-{digest}"
-
-
-@contextmanager
-def _interpreter_bin_on_path() -> Iterator[None]:
-    # The builder runs ``ninja`` from PATH; pip's ninja lands beside this interpreter.
-    previous = os.environ.get("PATH", "")
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), previous])
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = previous
-
-
-def _load_native() -> bool:
-    if os.environ.get(NATIVE_ENV) == "0":
-        return False
-    try:
-        from torch.utils.cpp_extension import load
-
-        directory = build_directory()
-        directory.mkdir(parents=True, exist_ok=True)
-        with _interpreter_bin_on_path():
-            load(
-                name="neuron_lmi_packed_linear",
-                sources=[str(SOURCE)],
-                extra_cflags=["-O2"],
-                build_directory=str(directory),
-                is_python_module=False,
-            )
-    except Exception as exc:  # no compiler or ninja, a failed build: the Python kernels still work
-        log.warning("packed linear ops: native kernels unavailable (%s); the Python kernels run instead", exc)
-        return False
-    return True
 
 
 # The Python kernels. (weight.data_ptr(), library) -> (a weak reference to its storage, its layout,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from neuron_lmi.models import packed_linear
+from neuron_lmi.models import native, packed_linear
 from neuron_lmi.models.quant import linear
 
 LIBRARIES = [
@@ -54,7 +54,7 @@ def test_the_python_kernels_where_the_native_ones_are_off() -> None:
         "assert pl.cached_packs() == 0\n"
         "print('python kernels ok')\n"
     )
-    env = {**os.environ, packed_linear.NATIVE_ENV: "0"}
+    env = {**os.environ, native.NATIVE_ENV: "0"}
     command = [sys.executable, "-c", script]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

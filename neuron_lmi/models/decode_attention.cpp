@@ -1,0 +1,345 @@
+// The CPU kernel of neuron_lmi::decode_attention (see decode_attention.py): one query per cache row
+// against that row's keys and values, the query heads of a group sharing each K/V read.
+//
+// Row r attends to positions [first, positions[r]] of its slice (first = 0, or the sliding window's
+// start), so a short row reads only its own length, whatever the slice's. Work items are (row, KV
+// head) pairs, split over the ATen thread pool; each reads its K block once (scores for the G
+// query heads), takes a softmax in fp32, then reads its V block once. With AVX-512 (the build uses
+// -march=native) the dot products, the exponentials and the bf16 conversions are vectorised by hand;
+// elsewhere plain loops run (the compiler vectorises what it can).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// What one (row, KV head) item reads and writes; strides in elements.
+template <typename T>
+struct Item {
+  const T* q;          // first query head of the group
+  int64_t q_stride;    // between query heads
+  const T* k;          // position 0 of this row and head
+  const T* v;
+  int64_t k_stride;    // between positions
+  int64_t v_stride;
+  T* out;              // first output head of the group
+  int64_t out_stride;  // between output heads
+  int64_t first, last; // attended positions: first..last inclusive
+  const T* next_k;     // the first attended key of the item this thread runs next (or null)
+  int64_t next_n;      // how many keys it attends
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// Portable path: any head dim, any CPU.
+template <typename T>
+void attend_plain(const Item<T>& it, int64_t groups, int64_t dim, float scale, float* scratch) {
+  const int64_t n = it.last - it.first + 1;
+  float* qf = scratch;                 // [groups, dim]
+  float* acc = qf + groups * dim;      // [groups, dim]
+  float* scores = acc + groups * dim;  // [groups, n]
+  float* row = scores + groups * n;    // [dim]
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(it.q[g * it.q_stride + d]) * scale;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* key = it.k + (it.first + j) * it.k_stride;
+    for (int64_t d = 0; d < dim; ++d) row[d] = to_float(key[d]);
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t d = 0; d < dim; ++d) s += qf[g * dim + d] * row[d];
+      scores[g * n + j] = s;
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    float* sg = scores + g * n;
+    const float top = *std::max_element(sg, sg + n);
+    float total = 0.f;
+    for (int64_t j = 0; j < n; ++j) total += (sg[j] = std::exp(sg[j] - top));
+    const float inv = 1.f / total;
+    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+  }
+  std::fill(acc, acc + groups * dim, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* value = it.v + (it.first + j) * it.v_stride;
+    for (int64_t d = 0; d < dim; ++d) row[d] = to_float(value[d]);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float w = scores[g * n + j];
+      for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += w * row[d];
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t d = 0; d < dim; ++d) it.out[g * it.out_stride + d] = static_cast<T>(acc[g * dim + d]);
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is fp32's top half: widen and shift
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {  // round to nearest even, as static_cast does
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __m512i out = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(out, 16)));
+}
+
+// The four horizontal sums of a..d, as [sum a, sum b, sum c, sum d] (13 instructions, not 4 x 8).
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  const __m512 lanes = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                     _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(lanes),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+// exp(x) for x <= 0: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by a degree-6 polynomial
+// (relative error about 2e-7); scalef applies 2^n and gives 0 far below the smallest float.
+inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One key row against one query head: a 16-lane vector whose lanes sum to the dot product (to be
+// reduced with others). fp32 keys: kChunks fused multiply-adds on the fp32 query. bf16 keys with
+// AVX512-BF16: kChunks / 2 dot-product instructions straight on the bf16 query and key, products
+// exact and summed in fp32; without it, widened to fp32 first.
+template <typename T, int kChunks>
+struct KeyDot {
+  __m512 q[kChunks];  // the query in fp32
+  explicit KeyDot(const T* query) {
+    for (int c = 0; c < kChunks; ++c) q[c] = load16(query + 16 * c);
+  }
+  __m512 operator()(const T* key) const {
+    __m512 a = _mm512_mul_ps(q[0], load16(key));
+    for (int c = 1; c < kChunks; ++c) a = _mm512_fmadd_ps(q[c], load16(key + 16 * c), a);
+    return a;
+  }
+};
+
+#if defined(__AVX512BF16__)
+template <int kChunks>
+struct KeyDot<c10::BFloat16, kChunks> {
+  __m512bh q[kChunks / 2];  // 32 bf16 each
+  explicit KeyDot(const c10::BFloat16* query) {
+    for (int c = 0; c < kChunks / 2; ++c) q[c] = (__m512bh)_mm512_loadu_si512(query + 32 * c);
+  }
+  __m512 operator()(const c10::BFloat16* key) const {
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < kChunks / 2; ++c) a = _mm512_dpbf16_ps(a, q[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
+    return a;
+  }
+};
+#endif
+
+// A value row in fp32, 16 lanes per chunk. For bf16 the 32 values of each pair of chunks come as
+// their even- and odd-indexed halves (two instructions instead of four); ``store_values`` puts
+// the accumulated sums back in order.
+inline void load_values(const float* v, __m512* row, int chunks) {
+  for (int c = 0; c < chunks; ++c) row[c] = _mm512_loadu_ps(v + 16 * c);
+}
+inline void load_values(const c10::BFloat16* v, __m512* row, int chunks) {
+  for (int c = 0; c < chunks; c += 2) {
+    const __m512i raw = _mm512_loadu_si512(v + 16 * c);
+    row[c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));                                   // even
+    row[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(0xffff0000)));  // odd
+  }
+}
+inline void store_values(float* out, const __m512* acc, int chunks) {
+  for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+}
+inline void store_values(c10::BFloat16* out, const __m512* acc, int chunks) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int c = 0; c < chunks; c += 2) {
+    store16(out + 16 * c, _mm512_permutex2var_ps(acc[c], lo, acc[c + 1]));
+    store16(out + 16 * c + 16, _mm512_permutex2var_ps(acc[c], hi, acc[c + 1]));
+  }
+}
+
+// Ask for ``count`` rows of ``bytes`` each, ``stride`` elements apart, ahead of their use: the KV
+// blocks are read once per step, from memory, and the two K and V reads of an item would otherwise
+// each start with the hardware prefetcher cold.
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t stride, int64_t count, size_t bytes) {
+  for (int64_t r = 0; r < count; ++r)
+    for (size_t b = 0; b < bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + r * stride) + b, _MM_HINT_T0);
+}
+
+// kChunks = head dim / 16.
+template <typename T, int kChunks>
+void attend_avx512(const Item<T>& it, int64_t groups, float scale, float* scratch) {
+  const int64_t n = it.last - it.first + 1;
+  const int64_t padded = (n + 15) / 16 * 16;
+  float* scores = scratch;  // [groups, padded]
+  const T* keys = it.k + it.first * it.k_stride;
+  const int64_t ks = it.k_stride;
+  for (int64_t g = 0; g < groups; ++g) {
+    const KeyDot<T, kChunks> dot(it.q + g * it.q_stride);
+    float* sg = scores + g * padded;
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      const T* key = keys + j * ks;
+      if (g == 0) prefetch_rows(it.v + (it.first + j) * it.v_stride, it.v_stride, 4, kChunks * 16 * sizeof(T));
+      _mm_storeu_ps(sg + j, reduce4(dot(key), dot(key + ks), dot(key + 2 * ks), dot(key + 3 * ks)));
+    }
+    for (; j < n; ++j) sg[j] = _mm512_reduce_add_ps(dot(keys + j * ks));
+    // Softmax of the scaled scores (the tail of the last vector masked out).
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    const __mmask16 tail = static_cast<__mmask16>(n % 16 == 0 ? 0xffff : (1u << (n % 16)) - 1);
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < padded; i += 16) {
+      const __mmask16 m = i + 16 <= n ? static_cast<__mmask16>(0xffff) : tail;
+      top = _mm512_mask_max_ps(top, m, top, _mm512_loadu_ps(sg + i));
+    }
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top) * scale);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t i = 0; i < padded; i += 16) {
+      const __mmask16 m = i + 16 <= n ? static_cast<__mmask16>(0xffff) : tail;
+      const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(sg + i), scale16, shift);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp16(x));
+      _mm512_storeu_ps(sg + i, e);
+      total = _mm512_add_ps(total, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+    for (int64_t i = 0; i < padded; i += 16) _mm512_storeu_ps(sg + i, _mm512_mul_ps(_mm512_loadu_ps(sg + i), inv));
+  }
+  // Weighted sum of values: every group's accumulators in registers while V streams once.
+  constexpr int kMaxGroups = 8;
+  const T* values = it.v + it.first * it.v_stride;
+  for (int64_t g0 = 0; g0 < groups; g0 += kMaxGroups) {
+    const int64_t gn = std::min<int64_t>(kMaxGroups, groups - g0);
+    __m512 acc[kMaxGroups][kChunks];
+    for (int64_t g = 0; g < gn; ++g)
+      for (int c = 0; c < kChunks; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 row[kChunks];
+      if (it.next_k != nullptr && j < it.next_n) prefetch_rows(it.next_k + j * ks, ks, 1, kChunks * 16 * sizeof(T));
+      load_values(values + j * it.v_stride, row, kChunks);
+      for (int64_t g = 0; g < gn; ++g) {
+        const __m512 w = _mm512_set1_ps(scores[(g0 + g) * padded + j]);
+        for (int c = 0; c < kChunks; ++c) acc[g][c] = _mm512_fmadd_ps(w, row[c], acc[g][c]);
+      }
+    }
+    for (int64_t g = 0; g < gn; ++g) store_values(it.out + (g0 + g) * it.out_stride, acc[g], kChunks);
+  }
+}
+#endif
+
+template <typename T>
+void attend(const Item<T>& it, int64_t groups, int64_t dim, float scale, float* scratch) {
+#if defined(__AVX512F__)
+  if (dim == 64) return attend_avx512<T, 4>(it, groups, scale, scratch);
+  if (dim == 128) return attend_avx512<T, 8>(it, groups, scale, scratch);
+#endif
+  attend_plain<T>(it, groups, dim, scale, scratch);
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& positions, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1,
+              "decode_attention: q [n, H, 1, D], k and v [n, KVH, L, D]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "decode_attention: q, k and v must all be fp32 or all bf16");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(3);
+  const int64_t kv_heads = k.size(1), length = k.size(2);
+  TORCH_CHECK(k.size(0) == rows && v.size(0) == rows && v.size(1) == kv_heads && v.size(2) == length &&
+                  k.size(3) == dim && v.size(3) == dim && heads % kv_heads == 0,
+              "decode_attention: q, k and v shapes disagree");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows, "decode_attention: one position per row");
+  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
+  const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
+  const at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
+  const at::Tensor pos = positions.to(at::kLong).contiguous();
+  const int64_t* pos_p = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(0 <= pos_p[r] && pos_p[r] < length, "decode_attention: position ", pos_p[r], " outside 0..",
+                length - 1);
+  const int64_t groups = heads / kv_heads;
+  at::Tensor out = at::empty({rows, heads, 1, dim}, q.options());
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* qp = qc.data_ptr<T>();
+    const T* kp = kc.data_ptr<T>();
+    const T* vp = vc.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const int64_t padded = (length + 15) / 16 * 16;
+    const int64_t items = rows * kv_heads;
+    auto first_of = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, pos_p[r] - window + 1) : 0; };
+    // Rows differ in length: each thread gets a run of items of about equal cost (keys read plus a
+    // fixed part), not an equal count, so no thread waits for another at the end.
+    std::vector<int64_t> bounds{0};
+    {
+      std::vector<int64_t> cost(items + 1, 0);
+      for (int64_t i = 0; i < items; ++i) {
+        const int64_t r = i / kv_heads;
+        cost[i + 1] = cost[i] + (pos_p[r] - first_of(r) + 1) + 16;
+      }
+      const int64_t parts = std::min<int64_t>(at::get_num_threads(), items);
+      for (int64_t p = 1; p < parts; ++p) {
+        const int64_t target = cost[items] * p / parts;
+        bounds.push_back(std::lower_bound(cost.begin(), cost.end(), target) - cost.begin());
+      }
+      bounds.push_back(items);
+    }
+    at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t part_begin, int64_t part_end) {
+      std::vector<float> scratch(static_cast<size_t>(groups * (2 * dim + padded) + dim));
+      const int64_t begin = bounds[part_begin], end = bounds[part_end];
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = i / kv_heads, h = i % kv_heads;
+        const int64_t last = pos_p[r], first = first_of(r);
+        const T* next_k = nullptr;
+        int64_t next_n = 0;
+        if (i + 1 < end) {
+          const int64_t nr = (i + 1) / kv_heads, nh = (i + 1) % kv_heads;
+          next_k = kp + nr * kc.stride(0) + nh * kc.stride(1) + first_of(nr) * kc.stride(2);
+          next_n = pos_p[nr] - first_of(nr) + 1;
+        }
+        const Item<T> item{qp + r * qc.stride(0) + h * groups * qc.stride(1), qc.stride(1),
+                           kp + r * kc.stride(0) + h * kc.stride(1), vp + r * vc.stride(0) + h * vc.stride(1),
+                           kc.stride(2), vc.stride(2), op + (r * heads + h * groups) * dim, dim, first, last,
+                           next_k, next_n};
+        attend<T>(item, groups, dim, static_cast<float>(scale), scratch.data());
+      }
+    });
+  };
+  if (q.scalar_type() == at::kFloat) {
+    run(float{});
+  } else {
+    run(c10::BFloat16{});
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(neuron_lmi, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -1,0 +1,75 @@
+"""``torch.ops.neuron_lmi.decode_attention``: the compiled decode step's attention, one C++ kernel.
+
+A decode step attends one query per cache row over that row's cached keys and values. Inductor
+compiles the products-and-sums form (``graphs.compiled_decode_attention``) into loops that recompute
+the query's rotary per key, take a horizontal sum per score and run the softmax on one thread (an
+``omp single`` region): on a 2-core AMD EPYC (Zen 5), SmolLM2's bf16 decode step at 32 rows spent 43%
+of its time there. The kernel (``decode_attention.cpp``) reads each row's K block once for the query
+heads that share it and its V block once, takes the softmax in fp32 on every thread, and reads only
+the row's own positions ``first .. positions[r]`` (``first``: 0, or the sliding window's start), not
+the whole slice the step's longest row needs.
+
+Inputs: ``q`` ``[n, H, 1, D]`` (rotary applied), ``k``/``v`` ``[n, KVH, L, D]`` (the cache's slices,
+strided), ``positions`` int64 ``[n]`` (row r's query position, ``< L``), ``scale``, ``window``
+(the sliding window, 0 for none). Output ``[n, H, 1, D]`` in ``q``'s dtype. The sums run in another
+order than SDPA's: results differ in the last bits (greedy ids: ``tests/compile``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from neuron_lmi.models import native
+
+_library = torch.library.Library("neuron_lmi", "FRAGMENT")
+_library.define(
+    "decode_attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale, int window) -> Tensor"
+)
+
+
+@torch.library.register_fake("neuron_lmi::decode_attention", lib=_library)
+def _attention_shape(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float, window: int
+) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float, window: int
+) -> torch.Tensor:
+    """What the op computes, in torch (fp32 inside): the Python kernel, and the tests' yardstick."""
+    n, h, _, d = q.shape
+    kvh, length = k.shape[1], k.shape[2]
+    key_pos = torch.arange(length)
+    visible = key_pos[None, :] <= positions[:, None]
+    if window > 0:
+        visible &= key_pos[None, :] > positions[:, None] - window
+    grouped = q.float().view(n, kvh, h // kvh, d)
+    scores = torch.einsum("nkgd,nkld->nkgl", grouped, k.float()) * scale
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    out = torch.einsum("nkgl,nkld->nkgd", torch.softmax(scores, dim=-1), v.float())
+    return out.reshape(n, h, 1, d).to(q.dtype)
+
+
+_kernel: str | None = None  # "native" or "python", once registered
+_lock = threading.Lock()
+
+
+def kernel() -> str:
+    """Register the op's CPU kernel once (``native``, else ``python``) and say which runs."""
+    global _kernel
+    with _lock:
+        if _kernel is None:
+            _kernel = "native" if native.load() else "python"
+            if _kernel == "python":
+                _library.impl("decode_attention", reference, "CPU")
+    return _kernel
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float, window: int
+) -> torch.Tensor:
+    """The op (what a traced graph records); ``kernel()`` first."""
+    return torch.ops.neuron_lmi.decode_attention(q, k, v, positions, scale, window)

@@ -1,0 +1,105 @@
+"""The C++ kernels of the ``neuron_lmi::`` ops, built once per host into one library.
+
+``packed_linear.cpp`` (the packed GEMMs) and ``decode_attention.cpp`` (the compiled decode's
+attention) compile together with torch's C++ extension builder (about 20 s) into
+``~/.cache/neuron-lmi/kernels/torch-<version>-<digest>``; later processes load the built library. The
+digest covers the sources, the flags and the CPU's instruction-set flags: the build targets this CPU
+(``-march=native``), so a cache directory shared with another kind of host builds again instead of
+running instructions that CPU lacks. Where the build fails (no compiler, no ninja) ``load`` says so
+once and each op module registers its Python kernels instead. ``NEURON_LMI_NATIVE_KERNELS=0`` forces
+that (the Python kernels' own tests).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+NATIVE_ENV = "NEURON_LMI_NATIVE_KERNELS"  # "0": the Python kernels (debugging; their own tests)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_linear.cpp", "decode_attention.cpp"))
+FLAGS = ("-O3", "-march=native", "-fopenmp")  # OpenMP: at::parallel_for runs on ATen's threads
+NAME = "neuron_lmi_native"
+
+_loaded: bool | None = None
+_lock = threading.Lock()
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The first ``flags`` line of ``cpuinfo`` ("" where it cannot be read: the digest then
+    covers the sources and flags only)."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def build_directory() -> Path:
+    """Per torch version, sources, flags and CPU: any change builds again."""
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join(FLAGS).encode())
+    digest.update(cpu_flags().encode())
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+    return base / "neuron-lmi" / "kernels" / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
+
+
+@contextmanager
+def _interpreter_bin_on_path() -> Iterator[None]:
+    # The builder runs ``ninja`` from PATH; pip's ninja lands beside this interpreter.
+    previous = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), previous])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = previous
+
+
+def load() -> bool:
+    """Build (or take from the cache) and load the kernels once per process; False where they are
+    off or the build failed. The ops must be defined first (importing their modules does that)."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _build()
+    return _loaded
+
+
+def _build() -> bool:
+    if os.environ.get(NATIVE_ENV) == "0":
+        return False
+    # The library implements these modules' ops: they must be defined before it loads.
+    from neuron_lmi.models import decode_attention, packed_linear  # noqa: F401
+
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        directory = build_directory()
+        directory.mkdir(parents=True, exist_ok=True)
+        with _interpreter_bin_on_path():
+            load_extension(
+                name=NAME,
+                sources=[str(source) for source in SOURCES],
+                extra_cflags=list(FLAGS),
+                extra_ldflags=["-fopenmp"],  # the soname torch already loaded: one OpenMP runtime
+                build_directory=str(directory),
+                is_python_module=False,
+            )
+    except Exception as exc:  # no compiler or ninja, a failed build: the Python kernels still work
+        log.warning("neuron_lmi native kernels unavailable (%s); the Python kernels run instead", exc)
+        return False
+    return True

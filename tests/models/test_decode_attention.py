@@ -1,0 +1,109 @@
+"""``neuron_lmi::decode_attention``: the eager model's decode attention (SDPA over a masked cache
+slice) for every row at its own position, in fp32 and bf16, with and without a sliding window; the
+hand-vectorised path (head dims 64 and 128 on AVX-512 hosts) and the plain one (any other head dim);
+the Python kernel where the native one is off; a position outside the slice refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from neuron_lmi.models import decode_attention as da
+from neuron_lmi.models import native
+from neuron_lmi.models.llama import grouped_decode_attention
+
+
+@pytest.fixture(autouse=True, scope="module")
+def registered_kernel() -> None:
+    assert da.kernel() == "native"  # built with this host's compiler (or taken from its cache)
+
+
+def sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float, window: int
+) -> torch.Tensor:
+    """The eager engine's decode attention on the same slice, masked as ``window_mask`` does."""
+    key_pos = torch.arange(k.shape[2])
+    mask = key_pos[None, :] <= positions[:, None]
+    if window:
+        mask &= key_pos[None, :] > positions[:, None] - window
+    return grouped_decode_attention(q, k, v, mask[:, None, None, :], scale)
+
+
+def cache_slices(
+    rows: int, kv_heads: int, length: int, dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as the graphs pass them: strided slices of a larger ``[rows, KVH, n_positions, D]`` cache."""
+    k = torch.randn(rows + 2, kv_heads, length + 9, dim, dtype=dtype)
+    v = torch.randn(rows + 2, kv_heads, length + 9, dim, dtype=dtype)
+    return k[:rows, :, :length], v[:rows, :, :length]
+
+
+CASES = [
+    # heads, kv heads, head dim, length, window
+    (9, 3, 64, 37, 0),  # SmolLM2's grouping; lengths not a multiple of 4 or 16
+    (9, 3, 64, 200, 50),  # a sliding window
+    (8, 8, 128, 21, 0),  # no grouping, head dim 128
+    (24, 2, 64, 70, 0),  # 12 query heads per KV head: more than one pass of the value loop
+    (4, 2, 48, 19, 7),  # head dim 48: the plain kernel
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "length", "window"), CASES)
+def test_equals_the_eager_attention_for_every_row_at_its_own_position(
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int, length: int, window: int
+) -> None:
+    torch.manual_seed(heads * dim + length)
+    rows = 6
+    k, v = cache_slices(rows, kv_heads, length, dim, dtype)
+    q = torch.randn(rows, 1, heads, dim, dtype=dtype).transpose(1, 2)  # strided, as qkv() returns it
+    positions = torch.tensor([length - 1, 0, 1, 3, length // 2, length - 2])
+    got = da.decode_attention(q, k, v, positions, dim**-0.5, window)
+    assert got.shape == (rows, heads, 1, dim) and got.dtype == dtype
+    want = sdpa(q.float(), k.float(), v.float(), positions, dim**-0.5, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's rounding
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(da.reference(q, k, v, positions, dim**-0.5, window).float(), want,
+                               rtol=tolerance, atol=tolerance)  # fmt: skip
+
+
+def test_a_row_reads_only_its_own_positions() -> None:
+    """Whatever lies past a row's position (padding, another request's stale keys) changes nothing."""
+    torch.manual_seed(1)
+    k, v = cache_slices(3, 3, 40, 64, torch.float32)
+    q = torch.randn(3, 9, 1, 64)
+    positions = torch.tensor([5, 17, 39])
+    before = da.decode_attention(q, k, v, positions, 0.125, 0)
+    k[0, :, 6:], v[1, :, 18:] = float("nan"), 1e30
+    torch.testing.assert_close(da.decode_attention(q, k, v, positions, 0.125, 0), before, rtol=0, atol=0)
+
+
+def test_a_position_outside_the_slice_is_refused() -> None:
+    k, v = cache_slices(2, 3, 16, 64, torch.float32)
+    q = torch.randn(2, 9, 1, 64)
+    with pytest.raises(RuntimeError, match=r"position 16 outside 0\.\.15"):
+        da.decode_attention(q, k, v, torch.tensor([3, 16]), 0.125, 0)
+    with pytest.raises(RuntimeError, match="must all be fp32 or all bf16"):
+        da.decode_attention(q, k.bfloat16(), v.bfloat16(), torch.tensor([3, 4]), 0.125, 0)
+
+
+def test_the_python_kernel_where_the_native_one_is_off() -> None:
+    script = (
+        "import torch\n"
+        "from neuron_lmi.models import decode_attention as da\n"
+        "assert da.kernel() == 'python'\n"
+        "q, k, v = torch.randn(3, 9, 1, 64), torch.randn(3, 3, 20, 64), torch.randn(3, 3, 20, 64)\n"
+        "pos = torch.tensor([19, 0, 7])\n"
+        "got = da.decode_attention(q, k, v, pos, 0.125, 4)\n"
+        "torch.testing.assert_close(got, da.reference(q, k, v, pos, 0.125, 4))\n"
+        "print('python kernel ok')\n"
+    )
+    env = {**os.environ, native.NATIVE_ENV: "0"}
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "python kernel ok" in done.stdout
