@@ -89,6 +89,13 @@ VLLM_CPU_ENV = {
 }
 
 
+def has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    try:
+        return " amx_tile" in cpuinfo.read_text()
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -169,8 +176,8 @@ def server_command(name: str, args: argparse.Namespace, model_dir: Path, port: i
             "--ctx-size",
             str(args.batch * args.n_positions),  # split evenly over the slots
             # Its AMX matmul for prompts dies with SIGILL (tilezero) on this project's AMX host;
-            # without repacking it runs the plain AVX-512 kernels.
-            "--no-repack",
+            # without repacking it runs the plain AVX-512 kernels. Elsewhere it repacks (faster).
+            *(["--no-repack"] if has_amx() else []),
         ], "/health"
     if name == "vllm":
         return [

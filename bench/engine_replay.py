@@ -1,0 +1,112 @@
+"""The serving bench's load replayed on the engine alone: how much of a server's step is the server.
+
+``bench/vllm_compare.py`` drives ``neuron-lmi serve`` over HTTP with ``neuron-lmi bench``'s
+streamed requests. This runs the same requests (the same ``Workload``: prompts, lengths, seed) on
+an ``EngineCore`` built in this process as the server builds its own (compiled graphs, the same
+rolling batch and cache), closed-loop at ``--concurrency``: a new request joins the moment one
+finishes. Nothing else shares the cores, so the tokens per second and the time per full-batch step
+here, set against the server's (``/metrics``: ``neuron_lmi_engine_*_per_full_step``), say what
+HTTP, the API process and the load client cost.
+
+    python -m bench.engine_replay --model DIR --dtype bf16 [--concurrency 32 --requests 64]
+        [--prompt-tokens 60 --output-tokens 128 --batch 32 --n-positions 512 --seed 0 --out F]
+
+A warm-up round (other prompts) runs first. Printed and written: tokens per second, and per step
+that decoded at least 90% of the rows, the wall and model milliseconds (means).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from neuron_lmi.bench.workload import TokenCount, Workload
+from neuron_lmi.engine.build import CpuEngineOptions, build_cpu_engine_core
+from neuron_lmi.engine.core import EngineCore
+from neuron_lmi.engine.step_clock import FULL_BATCH, time_runner
+from neuron_lmi.engine.types import SamplingParams, TokenEvent
+
+WARMUP_SEED_OFFSET = 10_000  # as in vllm_compare: the warm-up's prompts are none of the measured ones
+
+
+def replay(core: EngineCore, workload: Workload, concurrency: int, requests: int) -> dict[str, float]:
+    """Run ``requests`` of ``workload``, ``concurrency`` at a time; the figures of that run."""
+    runner = time_runner(core)
+    live: set[str] = set()
+    sent = 0
+
+    def add() -> None:
+        nonlocal sent
+        spec = workload.request(sent)
+        request_id = f"replay-{workload.seed}-{sent}"
+        sent += 1
+
+        def sink(event: TokenEvent, request_id: str = request_id) -> None:
+            if event.finish_reason is not None:
+                live.discard(request_id)
+
+        params = SamplingParams(max_new_tokens=spec.max_tokens, ignore_eos=True)
+        core.add(core.make_request(spec.prompt, params, request_id=request_id, sink=sink))
+        live.add(request_id)
+
+    full_rows = FULL_BATCH * runner.rows.n_rows
+    full_wall = full_model = 0.0
+    full_steps = steps = tokens = 0
+    start = time.perf_counter()
+    while sent < requests or core.has_work():
+        while len(live) < concurrency and sent < requests:
+            add()
+        rows0, model0, step0 = runner.decoded_rows, runner.forward_s, time.perf_counter()
+        core.step()
+        steps += 1
+        rows = runner.decoded_rows - rows0
+        tokens += rows
+        if rows >= full_rows:
+            full_steps += 1
+            full_wall += time.perf_counter() - step0
+            full_model += runner.forward_s - model0
+    wall = time.perf_counter() - start
+    return {
+        "duration_s": wall,
+        "steps": steps,
+        "output_tokens": tokens + requests,  # decoded tokens plus each request's first token
+        "output_tokens_per_s": (tokens + requests) / wall,
+        "full_steps": full_steps,
+        "wall_ms_per_full_step": 1000 * full_wall / max(full_steps, 1),
+        "model_ms_per_full_step": 1000 * full_model / max(full_steps, 1),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=60)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--n-positions", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    options = CpuEngineOptions(
+        model=args.model, dtype=args.dtype, max_rolling_batch_size=args.batch,
+        n_positions=args.n_positions, compile_graphs=True,
+    )  # fmt: skip
+    core, _ = build_cpu_engine_core(options)
+    prompt, output = TokenCount("fixed", args.prompt_tokens), TokenCount("fixed", args.output_tokens)
+    replay(core, Workload(prompt, output, args.seed + WARMUP_SEED_OFFSET), args.concurrency, args.concurrency)
+    result = replay(core, Workload(prompt, output, args.seed), args.concurrency, args.requests)
+    report = {"args": {k: str(v) for k, v in vars(args).items()}, "result": result}
+    print(json.dumps(report, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
