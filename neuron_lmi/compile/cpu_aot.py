@@ -33,7 +33,7 @@ import torch
 
 from compile_cache.key import CacheKeyInputs, context_buckets, fingerprint_weights, token_generation_buckets
 from neuron_lmi.compile.graphs import DecodeGraph, PrefillGraph, check_compilable, constant_tensors
-from neuron_lmi.models import decode_attention, packed_linear
+from neuron_lmi.models import native
 from neuron_lmi.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -157,8 +157,7 @@ def load_package(path: Path) -> Any:
     already pins the torch version and ``cpu_capability``. Falls back to the public loader when the
     internal class differs in this torch. The ``neuron_lmi::`` ops' kernels are registered first: a
     package calls them through the dispatcher."""
-    decode_attention.kernel()
-    packed_linear.kernel()
+    native.kernels()
     try:
         from torch.export.pt2_archive._package import AOTICompiledModel
 

@@ -17,8 +17,6 @@ order than SDPA's: results differ in the last bits (greedy ids: ``tests/compile`
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from neuron_lmi.models import native
@@ -53,19 +51,14 @@ def reference(
     return out.reshape(n, h, 1, d).to(q.dtype)
 
 
-_kernel: str | None = None  # "native" or "python", once registered
-_lock = threading.Lock()
-
-
 def kernel() -> str:
     """Register the op's CPU kernel once (``native``, else ``python``) and say which runs."""
-    global _kernel
-    with _lock:
-        if _kernel is None:
-            _kernel = "native" if native.load() else "python"
-            if _kernel == "python":
-                _library.impl("decode_attention", reference, "CPU")
-    return _kernel
+    return native.kernels()
+
+
+def register_python_kernels() -> None:
+    """``reference`` as the op's kernel, where the native one did not build (``native.kernels``)."""
+    _library.impl("decode_attention", reference, "CPU")
 
 
 def decode_attention(

@@ -5,8 +5,8 @@ attention) compile together with torch's C++ extension builder (about 20 s) into
 ``~/.cache/neuron-lmi/kernels/torch-<version>-<digest>``; later processes load the built library. The
 digest covers the sources, the flags and the CPU's instruction-set flags: the build targets this CPU
 (``-march=native``), so a cache directory shared with another kind of host builds again instead of
-running instructions that CPU lacks. Where the build fails (no compiler, no ninja) ``load`` says so
-once and each op module registers its Python kernels instead. ``NEURON_LMI_NATIVE_KERNELS=0`` forces
+running instructions that CPU lacks. Where the build fails (no compiler, no ninja) ``kernels`` says
+so once and registers each op module's Python kernels instead. ``NEURON_LMI_NATIVE_KERNELS=0`` forces
 that (the Python kernels' own tests).
 """
 
@@ -30,17 +30,16 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_linear.cpp",
 FLAGS = ("-O3", "-march=native", "-fopenmp")  # OpenMP: at::parallel_for runs on ATen's threads
 NAME = "neuron_lmi_native"
 
-_loaded: bool | None = None
+_kernels: str | None = None  # "native" or "python", once registered
 _lock = threading.Lock()
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The first ``flags`` line of ``cpuinfo`` ("" where it cannot be read: the digest then
-    covers the sources and flags only)."""
+def cpuinfo_field(name: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The first ``name`` line of ``cpuinfo`` (``vendor_id``, ``flags``), or "" where it cannot be read."""
     try:
         for line in cpuinfo.read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "flags":
+            if key.strip() == name:
                 return value.strip()
     except OSError:
         pass
@@ -53,7 +52,7 @@ def build_directory() -> Path:
     for source in SOURCES:
         digest.update(source.read_bytes())
     digest.update(" ".join(FLAGS).encode())
-    digest.update(cpu_flags().encode())
+    digest.update(cpuinfo_field("flags").encode())  # "" where unreadable: sources and flags only
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
     return base / "neuron-lmi" / "kernels" / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
 
@@ -69,22 +68,33 @@ def _interpreter_bin_on_path() -> Iterator[None]:
         os.environ["PATH"] = previous
 
 
-def load() -> bool:
-    """Build (or take from the cache) and load the kernels once per process; False where they are
-    off or the build failed. The ops must be defined first (importing their modules does that)."""
-    global _loaded
+def kernels() -> str:
+    """Register the CPU kernels of every ``neuron_lmi::`` op once per process and say which run:
+    ``native`` (the library, built or taken from the cache), else ``python`` (each op module's
+    ``register_python_kernels``, with a warning from the failed build)."""
+    global _kernels
     with _lock:
-        if _loaded is None:
-            _loaded = _build()
-    return _loaded
+        if _kernels is None:
+            # The library implements these modules' ops: they must be defined before it loads.
+            from neuron_lmi.models import decode_attention, packed_linear
+
+            if _build():
+                _kernels = "native"
+            else:
+                decode_attention.register_python_kernels()
+                packed_linear.register_python_kernels()
+                _kernels = "python"
+    return _kernels
+
+
+def registered() -> str | None:
+    """What ``kernels`` registered (``native``, ``python``), or None before its first call."""
+    return _kernels
 
 
 def _build() -> bool:
     if os.environ.get(NATIVE_ENV) == "0":
         return False
-    # The library implements these modules' ops: they must be defined before it loads.
-    from neuron_lmi.models import decode_attention, packed_linear  # noqa: F401
-
     try:
         from torch.utils.cpp_extension import load as load_extension
 

@@ -82,14 +82,7 @@ def available(library: str) -> bool:
 
 def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``), or "" where it cannot be read."""
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "vendor_id":
-                return value.strip()
-    except OSError:
-        pass
-    return ""
+    return native.cpuinfo_field("vendor_id", cpuinfo)
 
 
 def host_library(vendor: str | None = None) -> str | None:
@@ -110,20 +103,15 @@ def host_library(vendor: str | None = None) -> str | None:
     return next((library for library in order if available(library)), None)
 
 
-_kernel: str | None = None  # "native" or "python", once registered
-_lock = threading.Lock()
-
-
 def kernel() -> str:
     """Register the ops' CPU kernels once (``native``, else ``python``) and say which run."""
-    global _kernel
-    with _lock:
-        if _kernel is None:
-            _kernel = "native" if native.load() else "python"
-            if _kernel == "python":
-                for library in LIBRARIES:
-                    _library.impl(f"{library}_linear", _python_kernel(library), "CPU")
-    return _kernel
+    return native.kernels()
+
+
+def register_python_kernels() -> None:
+    """The Python kernels, where the native ones did not build (``native.kernels`` calls this)."""
+    for library in LIBRARIES:
+        _library.impl(f"{library}_linear", _python_kernel(library), "CPU")
 
 
 # The Python kernels. (weight.data_ptr(), library) -> (a weak reference to its storage, its layout,
@@ -168,7 +156,7 @@ def _python_kernel(library: str) -> Callable[[torch.Tensor, torch.Tensor], torch
 
 def cached_packs() -> int:
     """How many packs of live weights the registered kernels hold (0 before ``kernel()``)."""
-    if _kernel == "native":
+    if native.registered() == "native":
         return int(torch.ops.neuron_lmi.packed_linear_live_packs())
     return sum(not ref.expired() for ref, _, _ in _packs.values())
 
