@@ -185,12 +185,13 @@ inline void store_values(c10::BFloat16* out, const __m512* acc, int chunks) {
 
 // Ask for ``count`` rows of ``bytes`` each, ``stride`` elements apart, ahead of their use: the KV
 // blocks are read once per step, from memory, and the two K and V reads of an item would otherwise
-// each start with the hardware prefetcher cold.
+// each start with the hardware prefetcher cold. Into L2, not L1: a whole block ahead (31 KB of fp32
+// at 124 positions) would evict the block being read (T1 ran 3-13% faster than T0 over 30 layers).
 template <typename T>
 inline void prefetch_rows(const T* p, int64_t stride, int64_t count, size_t bytes) {
   for (int64_t r = 0; r < count; ++r)
     for (size_t b = 0; b < bytes; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p + r * stride) + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + r * stride) + b, _MM_HINT_T1);
 }
 
 // kChunks = head dim / 16.
