@@ -32,7 +32,13 @@ from typing import Any
 import torch
 
 from compile_cache.key import CacheKeyInputs, context_buckets, fingerprint_weights, token_generation_buckets
-from neuron_lmi.compile.graphs import DecodeGraph, PrefillGraph, check_compilable, constant_tensors
+from neuron_lmi.compile.graphs import (
+    DecodeGraph,
+    PrefillGraph,
+    check_compilable,
+    constant_tensors,
+    decode_attention_form,
+)
 from neuron_lmi.models import native
 from neuron_lmi.models.llama import LlamaForCausalLM
 
@@ -110,6 +116,7 @@ def cpu_key_inputs(model: LlamaForCausalLM, weights_path: str | Path, plan: CpuP
     flags = (
         *(f"{k}={v}" for k, v in sorted(INDUCTOR_CONFIGS.items())),
         f"cpu_capability={cpu_capability()}",
+        f"decode_attention={decode_attention_form()}",
         f"graphs_version={GRAPHS_VERSION}",
     )
     return CacheKeyInputs(

@@ -49,7 +49,12 @@ from compile_cache import CompileCache
 from compile_cache.key import CacheKeyInputs, fingerprint_weights
 from compile_cache.store import Entry
 from neuron_lmi.compile.cpu_aot import DTYPE_NAMES, architecture_description, cpu_capability, load_package
-from neuron_lmi.compile.graphs import WindowDecodeGraph, check_compilable, padded_decode_inputs
+from neuron_lmi.compile.graphs import (
+    WindowDecodeGraph,
+    check_compilable,
+    decode_attention_form,
+    padded_decode_inputs,
+)
 from neuron_lmi.models import packed_linear
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.models.quant import (
@@ -186,6 +191,8 @@ def decode_key_inputs(
         f"graph={graph}",
         f"weights={weight_formats(model)}",
     )
+    if graph == CompiledDecode.graph:
+        flags = (*flags, f"decode_attention={decode_attention_form()}")
     library = packed_gemm_library(model, graph)
     if library is not None:
         flags = (*flags, f"packed_gemm={packed_linear.op_name(library)}")

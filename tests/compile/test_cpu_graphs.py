@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuron_lmi.compile import cpu_decode, cpu_extend
+from neuron_lmi.compile import cpu_decode, cpu_extend, graphs
 from neuron_lmi.engine.llm import LLM
 from neuron_lmi.engine.types import SamplingParams
 from neuron_lmi.models import packed_linear
@@ -27,16 +27,23 @@ def _llm(model_dir: Path, **options: object) -> LLM:
 
 def on_library(model: str, library: str) -> object:
     missing = not packed_linear.available(library)
-    return pytest.param(model, library, marks=pytest.mark.skipif(missing, reason=f"no {library} packed GEMM"))
+    skip = pytest.mark.skipif(missing, reason=f"no {library} packed GEMM")
+    return pytest.param(model, library, None, marks=skip)
 
 
 @pytest.mark.parametrize(
-    ("model", "library"),
-    [on_library("tiny_llama_dir", "mkl"), on_library("tiny_llama_dir", "onednn"), ("tiny_mistral_dir", None)],
+    ("model", "library", "attention"),
+    [
+        on_library("tiny_llama_dir", "mkl"),
+        on_library("tiny_llama_dir", "onednn"),
+        ("tiny_mistral_dir", None, None),
+        ("tiny_mistral_dir", None, "inductor"),  # the form CPUs without AVX-512 get
+    ],
 )
 def test_compiled_graphs_equal_eager_token_for_token(
     model: str,
     library: str | None,
+    attention: str | None,
     request: pytest.FixtureRequest,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -45,10 +52,13 @@ def test_compiled_graphs_equal_eager_token_for_token(
     Mistral's 16-token sliding window is crossed; one row fills all 128 positions, so its last step
     (attention over the whole cache) runs eagerly. Prompts are prefilled by the compiled extend,
     those sharing a 16-token prefix with a running or retained row extend after a copied prefix.
-    The fp32 GEMMs run on MKL's and on oneDNN's packs (Mistral: the host's library)."""
+    The fp32 GEMMs run on MKL's and on oneDNN's packs (Mistral: the host's library); the decode
+    attention is the host's form, and for Mistral the Inductor form too."""
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
     if library is not None:
         monkeypatch.setenv(packed_linear.LIBRARY_ENV, library)
+    if attention is not None:
+        monkeypatch.setenv(graphs.ATTENTION_ENV, attention)
     model_dir = request.getfixturevalue(model)
     eager, compiled = _llm(model_dir), _llm(model_dir, compile_graphs=True)
     package, extend = compiled.core.runner.compiled_decode, compiled.core.runner.compiled_extend
@@ -245,3 +255,15 @@ def test_quantized_graphs_follow_the_eager_quantized_engine(
     assert (got - want).abs().max() < 0.05 * want.abs().max()
     # Top-1 agreement, not equality: bf16 rounding may flip a near-tie of this random model.
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+def test_the_decode_attention_form_follows_the_cpu_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(graphs.ATTENTION_ENV, raising=False)
+    avx512 = str(torch.backends.cpu.get_cpu_capability()).startswith("AVX512")
+    assert graphs.decode_attention_form() == ("op" if avx512 else "inductor")
+    for forced in ("op", "inductor"):
+        monkeypatch.setenv(graphs.ATTENTION_ENV, forced)
+        assert graphs.decode_attention_form() == forced
+    monkeypatch.setenv(graphs.ATTENTION_ENV, "sdpa")
+    with pytest.raises(ValueError, match="NEURON_LMI_DECODE_ATTENTION='sdpa': expected op or inductor"):
+        graphs.decode_attention_form()
