@@ -7,7 +7,9 @@ the query's rotary per key, take a horizontal sum per score and run the softmax 
 of its time there. The kernel (``decode_attention.cpp``) reads each row's K block once for the query
 heads that share it and its V block once, takes the softmax in fp32 on every thread, and reads only
 the row's own positions ``first .. positions[r]`` (``first``: 0, or the sliding window's start), not
-the whole slice the step's longest row needs.
+the whole slice the step's longest row needs. The graphs call it on CPUs with AVX-512, whose code
+is written by hand; elsewhere its plain loops were slower than Inductor's form, which those CPUs keep
+(``graphs.decode_attention_form``).
 
 Inputs: ``q`` ``[n, H, 1, D]`` (rotary applied), ``k``/``v`` ``[n, KVH, L, D]`` (the cache's slices,
 strided), ``positions`` int64 ``[n]`` (row r's query position, ``< L``), ``scale``, ``window``
