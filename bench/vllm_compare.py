@@ -89,11 +89,10 @@ VLLM_CPU_ENV = {
 }
 
 
-def has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    try:
-        return " amx_tile" in cpuinfo.read_text()
-    except OSError:
-        return False
+def has_amx() -> bool:
+    from neuron_lmi.models.native import cpuinfo_field
+
+    return "amx_tile" in cpuinfo_field("flags").split()
 
 
 def free_port() -> int:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from neuron_lmi.models.decode_attention import decode_attention
+from neuron_lmi.models.decode_attention import compiled_decode_attention, decode_attention
 from neuron_lmi.models.llama import DecoderLayer, LlamaForCausalLM
 from neuron_lmi.models.rope import apply_rotary
 
@@ -117,33 +117,16 @@ ATTENTION_ENV = "NEURON_LMI_DECODE_ATTENTION"  # "op" or "inductor": instead of 
 
 def decode_attention_form() -> str:
     """Which attention the decode graphs trace: ``op`` (``models.decode_attention``, whose AVX-512
-    code is written by hand) on CPUs with AVX-512, ``inductor`` (``compiled_decode_attention``)
-    elsewhere: built without AVX-512 the op's plain loops took 12.3 ms for SmolLM2's 30 layers at
-    124 positions (fp32) against 9.2 ms for the Inductor form. ``NEURON_LMI_DECODE_ATTENTION``
-    overrides the rule; the form is part of the compile-cache keys."""
+    code is written by hand) on CPUs with AVX-512, ``inductor`` (``compiled_decode_attention``, which
+    Inductor compiles into its own loops) elsewhere: built without AVX-512 the op's plain loops took
+    12.3 ms for SmolLM2's 30 layers at 124 positions (fp32) against 9.2 ms for the Inductor form.
+    ``NEURON_LMI_DECODE_ATTENTION`` overrides the rule; the form is part of the compile-cache keys."""
     forced = os.environ.get(ATTENTION_ENV)
     if forced:
         if forced not in ("op", "inductor"):
             raise ValueError(f"{ATTENTION_ENV}={forced!r}: expected op or inductor")
         return forced
     return "op" if str(torch.backends.cpu.get_cpu_capability()).startswith("AVX512") else "inductor"
-
-
-def compiled_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """``grouped_decode_attention`` (one query per row, KV heads not expanded) written as products and
-    sums over the head dimension and the positions, which Inductor compiles into its own fused,
-    vectorised loops (the eager model keeps SDPA, for which this form would materialise
-    ``[B, KVH, G, L, D]`` products). q: [B, H, 1, D]; k, v: [B, KVH, L, D]; mask: [B, 1, 1, L] bool."""
-    b, h, _, d = q.shape
-    kvh = k.shape[1]
-    grouped = q.view(b, kvh, h // kvh, 1, d)  # the G query heads that share each KV head
-    scores = (grouped.float() * k[:, :, None].float()).sum(-1) * scale  # [B, KVH, G, L], fp32
-    scores = scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))
-    weights = torch.softmax(scores, dim=-1)  # fp32, and the products with V too (fused: no copy)
-    out = (weights[..., None] * v[:, :, None].float()).sum(3)  # [B, KVH, G, D]
-    return out.reshape(b, h, 1, d).to(q.dtype)
 
 
 def decode_rows(

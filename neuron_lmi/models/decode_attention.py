@@ -1,7 +1,7 @@
 """``torch.ops.neuron_lmi.decode_attention``: the compiled decode step's attention, one C++ kernel.
 
 A decode step attends one query per cache row over that row's cached keys and values. Inductor
-compiles the products-and-sums form (``graphs.compiled_decode_attention``) into loops that recompute
+compiles the products-and-sums form (``compiled_decode_attention`` below) into loops that recompute
 the query's rotary per key, take a horizontal sum per score and run the softmax on one thread (an
 ``omp single`` region): on a 2-core AMD EPYC (Zen 5), SmolLM2's bf16 decode step at 32 rows spent 43%
 of its time there. The kernel (``decode_attention.cpp``) reads each row's K block once for the query
@@ -36,21 +36,33 @@ def _attention_shape(
     return q.new_empty(q.shape)
 
 
+def compiled_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The same attention as products and sums over the head dimension and the positions, in fp32:
+    the form Inductor compiles into its own fused loops (the graphs' attention on CPUs without
+    AVX-512), and the op's Python kernel. The eager model keeps SDPA, for which this form would
+    materialise ``[B, KVH, G, L, D]`` products. q: [B, H, 1, D]; k, v: [B, KVH, L, D]; mask:
+    [B, 1, 1, L] bool (True = attend)."""
+    b, h, _, d = q.shape
+    kvh = k.shape[1]
+    grouped = q.view(b, kvh, h // kvh, 1, d)  # the G query heads that share each KV head
+    scores = (grouped.float() * k[:, :, None].float()).sum(-1) * scale  # [B, KVH, G, L], fp32
+    scores = scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))
+    weights = torch.softmax(scores, dim=-1)  # fp32, and the products with V too (fused: no copy)
+    out = (weights[..., None] * v[:, :, None].float()).sum(3)  # [B, KVH, G, D]
+    return out.reshape(b, h, 1, d).to(q.dtype)
+
+
 def reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float, window: int
 ) -> torch.Tensor:
     """What the op computes, in torch (fp32 inside): the Python kernel, and the tests' yardstick."""
-    n, h, _, d = q.shape
-    kvh, length = k.shape[1], k.shape[2]
-    key_pos = torch.arange(length)
+    key_pos = torch.arange(k.shape[2])
     visible = key_pos[None, :] <= positions[:, None]
     if window > 0:
         visible &= key_pos[None, :] > positions[:, None] - window
-    grouped = q.float().view(n, kvh, h // kvh, d)
-    scores = torch.einsum("nkgd,nkld->nkgl", grouped, k.float()) * scale
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    out = torch.einsum("nkgl,nkld->nkgd", torch.softmax(scores, dim=-1), v.float())
-    return out.reshape(n, h, 1, d).to(q.dtype)
+    return compiled_decode_attention(q, k, v, visible, scale)
 
 
 def kernel() -> str:

@@ -32,14 +32,13 @@ Inside a package, AOTInductor's proxy executor calls an op through the dispatche
 native (``packed_linear.cpp``, built on first use with the other ops' kernels: ``models.native``):
 a Python kernel costs about 30 us a call there, 3.5 ms over SmolLM2's 121 GEMMs a step, which made a
 one-row step slower than ATen's. Where the build fails (no C++ compiler) the Python kernels below run
-instead, with a warning. Importing this module defines
-the ops; ``kernel()`` registers their CPU kernels, which tracing (``tracing_packed_linears``) and
-opening a package (``cpu_decode.open_frozen_entry``) do first.
+instead, with a warning. Importing this module defines the ops; ``kernel()`` registers their CPU
+kernels, which tracing (``tracing_packed_linears``) and opening a package (``cpu_aot.load_package``)
+do first.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Callable
@@ -51,8 +50,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from neuron_lmi.models import native
 from neuron_lmi.models.quant import dense_linear_kernel
-
-log = logging.getLogger(__name__)
 
 LIBRARIES = ("mkl", "onednn")
 DTYPES = {"mkl": (torch.float32,), "onednn": (torch.float32, torch.bfloat16)}  # the weights each packs

@@ -7,9 +7,6 @@ a subprocess; which library a host gets."""
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from neuron_lmi.models import native, packed_linear
+from neuron_lmi.models import packed_linear
 from neuron_lmi.models.quant import linear
+from tests.models.conftest import run_with_python_kernels
 
 LIBRARIES = [
     pytest.param(name, marks=pytest.mark.skipif(not packed_linear.available(name), reason=f"no {name} here"))
@@ -54,11 +52,7 @@ def test_the_python_kernels_where_the_native_ones_are_off() -> None:
         "assert pl.cached_packs() == 0\n"
         "print('python kernels ok')\n"
     )
-    env = {**os.environ, native.NATIVE_ENV: "0"}
-    command = [sys.executable, "-c", script]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "python kernels ok" in done.stdout
+    assert "python kernels ok" in run_with_python_kernels(script)
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
