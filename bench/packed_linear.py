@@ -92,10 +92,10 @@ def time_graphs(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     runners = {v: open_variant(args, v) for v in variants}
     cases: list[tuple[str, Callable[[object], object]]] = []
     for n in args.rows:
-        rows, tokens, positions = list(range(n)), [1] * n, torch.full((n,), args.attn_len - 1)
+        rows, chunks, starts = list(range(n)), [[1]] * n, [args.attn_len - 1] * n
 
-        def decode(runner, rows=rows, tokens=tokens, positions=positions) -> object:
-            return runner.compiled_decode(rows, tokens, positions, runner.cache.k, runner.cache.v)
+        def decode(runner, rows=rows, chunks=chunks, starts=starts) -> object:
+            return runner.compiled_decode(rows, chunks, starts, runner.cache.k, runner.cache.v)
 
         cases.append((f"decode {n} rows", decode))
     chunk = [[5] * args.prompt_tokens]

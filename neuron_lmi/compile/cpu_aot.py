@@ -51,7 +51,7 @@ PLAN_FILE = "graphs.json"
 INDUCTOR_CONFIGS: Mapping[str, Any] = MappingProxyType({"aot_inductor.package_constants_in_so": False})
 # Bump when graphs.py or this module changes what a package computes or expects: old entries then
 # stop matching instead of being loaded with the wrong inputs.
-GRAPHS_VERSION = 4
+GRAPHS_VERSION = 5
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Fields of ModelArgs that do not change a graph (token ids are the engine's business).
 _NON_GRAPH_FIELDS = ("bos_token_id", "eos_token_ids")

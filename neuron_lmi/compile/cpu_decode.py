@@ -1,11 +1,14 @@
-"""The CPU engine's compiled decode: one AOTInductor package with the weights frozen in; and what
-it shares with the compiled extend (``cpu_extend``): ``FrozenPackage``, the cache key
+"""The CPU engine's compiled step: one AOTInductor package with the weights frozen in; and what it
+shares with the compiled extend (``cpu_extend``): ``FrozenPackage``, the cache key
 (``decode_key_inputs``), ``open_frozen_entry`` and ``export_package``.
 
-``CpuRunner`` copies rows eagerly; its decode step runs this package when one is loaded (prefill
-and extend run ``cpu_extend``'s). The package holds a ``WindowDecodeGraph`` exported with a dynamic
-window (cache rows ``0..n-1``, ``2 <= n <= n_rows``) and a dynamic attention length
-(``2 <= L < n_positions``), so one compile serves every batch and length. Inductor compiles it with
+``CpuRunner`` copies rows eagerly; its decode steps, and the steps that mix decodes with short
+prompt chunks, run this package when one is loaded (long chunks run ``cpu_extend``'s). The package
+holds a ``StepGraph``: a flat batch of tokens, each with its cache row and position, exported with
+a dynamic token count, logit count and attention length (``2 <= L < n_positions``), so one compile
+serves every step. A step that admits prompts while 27 rows decode thus runs one forward instead of
+an extend and a decode, and no row of the cache is padding (the window graph it replaced ran every
+row below the highest stepping one). Inductor compiles it with
 ``freezing``: the weights become constants it packs for oneDNN and fuses around (norms, rotary,
 SiLU, residuals, in a few C++ loops; the decode attention is one C++ op, ``models.decode_attention``),
 which is what makes it pay: on a 2-core Intel AVX-512/AMX host, SmolLM2's decode step at
@@ -27,8 +30,9 @@ Frozen weights make the package depend on the weights' *values*: the cache key h
 fingerprint of the weight files, the model's architecture, dtype, quantization, rows, positions,
 the torch version and the CPU's instruction set. A compile takes about 100 s (fp32) to 250 s (bf16,
 autotuned) for SmolLM2 on two cores; the entry is stored in the compile cache, and later starts
-load it in about a second. Rows and positions outside the package's range (one row, the last
-position of a full-length row) decode eagerly.
+load it in about a second. Steps outside the package's range (the last position of a full-length
+row; more tokens than ``token_limit``; chunks whose attention ``CHUNK_PAIR_LIMIT`` leaves to the
+extend graph's SDPA) run the other way.
 """
 
 from __future__ import annotations
@@ -49,12 +53,7 @@ from compile_cache import CompileCache
 from compile_cache.key import CacheKeyInputs, fingerprint_weights
 from compile_cache.store import Entry
 from neuron_lmi.compile.cpu_aot import DTYPE_NAMES, architecture_description, cpu_capability, load_package
-from neuron_lmi.compile.graphs import (
-    WindowDecodeGraph,
-    check_compilable,
-    decode_attention_form,
-    padded_decode_inputs,
-)
+from neuron_lmi.compile.graphs import StepGraph, check_compilable, decode_attention_form
 from neuron_lmi.models import packed_linear
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.models.quant import (
@@ -67,29 +66,33 @@ from neuron_lmi.models.quant import (
 
 log = logging.getLogger(__name__)
 
-PACKAGE_FILE = "decode.pt2"
+PACKAGE_FILE = "step.pt2"
 # Baked into the package and part of the key. Weights live inside the package: they are frozen.
 DECODE_INDUCTOR_CONFIGS = MappingProxyType({"freezing": True, "aot_inductor.package_constants_in_so": True})
 # bf16 decode GEMMs: Inductor's CPU GEMM templates (AMX / AVX-512 micro-kernels, fused with their
-# neighbours) autotuned against ATen/oneDNN at a nearly full window. Measured on SmolLM2 (2-core
+# neighbours) autotuned against ATen/oneDNN at a decode of nearly every row. Measured on SmolLM2 (2-core
 # AVX-512/AMX host, packages timed interleaved): 52 against 67 ms a step at 32 rows, 25 against
 # 40 at 8, 20 against 34 at 2, for a compile of about 250 s instead of 100. In fp32 the templates
 # gained nothing at 32 rows (220 against 208 ms), so fp32 keeps ATen.
 BF16_DECODE_CONFIGS = MappingProxyType({"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"})
-# Per graph: bump when WindowDecodeGraph / ExtendGraph or their inputs change what a package
+# Per graph: bump when StepGraph / ExtendGraph or their inputs change what a package
 # computes or expects (the version is part of the key, so old entries stop matching).
-GRAPH_VERSIONS = MappingProxyType({"window-decode": 4, "extend": 1})
-# A window of one row is exported (the example has more: torch.export specialises a dimension whose
-# example is 1); the attention length starts at 2 (length 1 is never decoded, only padded).
-MIN_WINDOW, MIN_ATTN_LEN = 1, 2
+GRAPH_VERSIONS = MappingProxyType({"step": 1, "extend": 1})
+# One token is exported (the example has more: torch.export specialises a dimension whose example is
+# 1); the attention length starts at 2 (length 1 is never decoded, only padded).
+MIN_TOKENS, MIN_ATTN_LEN = 1, 2
+# Prompt chunks go through the step graph while their tokens attend to at most this many (query,
+# key) positions in all: the op reads a row's K/V again for each of its chunk's tokens (from cache),
+# where SDPA in the extend graph multiplies blocks. Four 60-token prompts are about 7,300.
+CHUNK_PAIR_LIMIT = 32_768
 
 
 def inductor_configs(dtype: torch.dtype, graph: str, quantized: bool = False) -> dict[str, object]:
-    """What Inductor compiles ``graph`` (``window-decode`` or ``extend``) with; part of the key.
+    """What Inductor compiles ``graph`` (``step`` or ``extend``) with; part of the key.
     Quantized decodes are not autotuned: the int4 template, tuned at a full window, took 17 ms a
     one-row step on SmolLM2 against 10 ms for torch's packed kernel (2-core AMX host)."""
     configs = dict(DECODE_INDUCTOR_CONFIGS)
-    if graph == "window-decode" and dtype == torch.bfloat16 and not quantized:
+    if graph == "step" and dtype == torch.bfloat16 and not quantized:
         configs.update(BF16_DECODE_CONFIGS)
     return configs
 
@@ -142,20 +145,13 @@ def is_quantized(model: LlamaForCausalLM) -> bool:
     return any(isinstance(w, QuantizedLinear) for w in matmul_weights(model))
 
 
-def window_limit(model: LlamaForCausalLM, n_rows: int) -> int:
-    """The widest decode window the package takes. A quantized graph runs torch's packed kernels,
-    whose time grows with every row; from ``gemm_min_rows`` rows on the eager step (one dequantized
-    GEMM per weight) is cheaper, so those windows are left to it."""
+def token_limit(model: LlamaForCausalLM, n_rows: int, n_positions: int) -> int:
+    """The most tokens one step of the package takes: a decode of every row plus a step's worth of
+    prompt tokens (``n_positions``). A quantized graph runs torch's packed kernels, whose time grows
+    with every token; from ``gemm_min_rows`` tokens on the eager step (one dequantized GEMM per
+    weight) is cheaper, so those steps are left to it."""
     limits = [w.gemm_min_rows - 1 for w in matmul_weights(model) if isinstance(w, QuantizedLinear)]
-    return min([n_rows, *limits])
-
-
-def sparse_window_limit(stepping: int) -> int:
-    """The widest window worth running for ``stepping`` rows. Measured on SmolLM2 (2 cores, 32-row
-    cache): a compiled step costs about 31 + 0.8 ms per window row in bf16 (30 + 3 in fp32), an
-    eager one 36 + 1.5 ms per stepping row in bf16 (43 + 4 in fp32); past twice the rows plus 4 the
-    window loses in fp32, a little later in bf16."""
-    return 2 * stepping + 4
+    return min([n_rows + n_positions, *limits])
 
 
 def decode_unsupported(model: LlamaForCausalLM, n_rows: int, n_positions: int) -> str | None:
@@ -167,8 +163,7 @@ def decode_unsupported(model: LlamaForCausalLM, n_rows: int, n_positions: int) -
     traceable = (torch.Tensor, Int4Linear, Int8Linear)
     if not all(isinstance(w, traceable) for w in matmul_weights(model)):
         return "its matmul weights are packed for oneDNN (the graphs trace dense or quantized ones)"
-    # The export's example window is one row short of the widest (see compile_decode_package).
-    if window_limit(model, n_rows) < 3 or n_positions < MIN_ATTN_LEN + 2:
+    if token_limit(model, n_rows, n_positions) < 3 or n_rows < 2 or n_positions < MIN_ATTN_LEN + 2:
         return f"{n_rows} rows x {n_positions} positions is too small to need one"
     return None
 
@@ -178,9 +173,9 @@ def decode_key_inputs(
     weights_path: str | Path,
     n_rows: int,
     n_positions: int,
-    graph: str = "window-decode",
+    graph: str = "step",
 ) -> CacheKeyInputs:
-    """The compile-cache key of a frozen-weights package (``graph``: ``window-decode`` here,
+    """The compile-cache key of a frozen-weights package (``graph``: ``step`` here,
     ``extend`` for ``cpu_extend``) for ``model`` over an ``n_rows x n_positions`` cache. One dynamic
     graph covers every length, so both bucket lists are ``(n_positions,)``."""
     configs = inductor_configs(model.dtype, graph, is_quantized(model))
@@ -212,29 +207,33 @@ def decode_key_inputs(
 
 
 def compile_decode_package(model: LlamaForCausalLM, n_rows: int, n_positions: int, out_dir: Path) -> None:
-    """Export ``WindowDecodeGraph`` with a dynamic window and length; compile it into ``out_dir``.
-    Quantized weights stay quantized: the graph runs torch's packed kernels (``tracing_packed_kernels``)."""
+    """Export ``StepGraph`` with dynamic token count, logit count and length; compile it into
+    ``out_dir``. Quantized weights stay quantized: the graph runs torch's packed kernels
+    (``tracing_packed_kernels``)."""
     a = model.args
     shape = (a.n_layers, n_rows, a.n_kv_heads, n_positions, a.head_dim)
-    widest = window_limit(model, n_rows)
-    # GEMMs are autotuned at the example's size: a nearly full window (the full one would make
-    # ``k_cache[:, :n]`` the whole dimension, a case the export specialises on).
-    n, length = widest - 1, MIN_ATTN_LEN + 1
+    widest = token_limit(model, n_rows, n_positions)
+    # GEMMs are autotuned at the example's size: a decode of all rows but one (or of as many tokens
+    # as a quantized graph takes), its logits one fewer (no two dynamic sizes equal in the example).
+    n = max(3, min(n_rows, widest) - 1)
+    length = MIN_ATTN_LEN + 1
     example = (
         torch.zeros(n, dtype=torch.long),
+        torch.arange(n) % n_rows,
         torch.zeros(n, dtype=torch.long),
-        torch.ones(n, dtype=torch.bool),
+        torch.arange(n - 1),
         torch.arange(length),
         torch.zeros(shape, dtype=model.dtype),
         torch.zeros(shape, dtype=model.dtype),
     )
-    window = torch.export.Dim("window", min=MIN_WINDOW, max=widest)
+    tokens = torch.export.Dim("tokens", min=MIN_TOKENS, max=widest)
+    outputs = torch.export.Dim("outputs", min=1, max=widest)
     attn = torch.export.Dim("attn_len", min=MIN_ATTN_LEN, max=n_positions - 1)
-    dynamic = ({0: window}, {0: window}, {0: window}, {0: attn}, None, None)
+    dynamic = ({0: tokens}, {0: tokens}, {0: tokens}, {0: outputs}, {0: attn}, None, None)
     configs = inductor_configs(model.dtype, CompiledDecode.graph, is_quantized(model))
     library = packed_gemm_library(model, CompiledDecode.graph)
     with tracing_packed_kernels(), packed_linear.tracing_packed_linears(library, model.dtype):
-        export_package(WindowDecodeGraph(model), example, dynamic, out_dir / PACKAGE_FILE, configs)
+        export_package(StepGraph(model), example, dynamic, out_dir / PACKAGE_FILE, configs)
 
 
 def export_package(
@@ -260,8 +259,8 @@ class FrozenPackage:
     graph: ClassVar[str]
     package_file: ClassVar[str]
 
-    def __init__(self, package_path: Path, n_rows: int, n_positions: int) -> None:
-        self.n_rows, self.n_positions = n_rows, n_positions
+    def __init__(self, package_path: Path, limit: int, n_positions: int) -> None:
+        self.limit, self.n_positions = limit, n_positions  # limit: ``size_limit``
         self._package = load_package(package_path)
         self._run = self._package.loader.run  # skips AOTICompiledModel.__call__'s pytree parsing
         self.steps = 0
@@ -271,44 +270,60 @@ class FrozenPackage:
         raise NotImplementedError
 
     @staticmethod
-    def row_limit(model: LlamaForCausalLM, n_rows: int) -> int:
-        """The most rows one step of the package takes, on a cache of ``n_rows``."""
+    def size_limit(model: LlamaForCausalLM, n_rows: int, n_positions: int) -> int:
+        """The most rows (extend) or tokens (step) one call of the package takes, on a cache of
+        ``n_rows`` x ``n_positions``."""
         return n_rows
 
 
 class CompiledDecode(FrozenPackage):
-    """A loaded decode package. ``covers`` says whether a step fits it; ``__call__`` runs one."""
+    """A loaded step package. ``covers``/``covers_chunks`` say whether a decode or a batch of chunks
+    fits it; ``__call__`` runs one step."""
 
-    graph = "window-decode"
+    graph = "step"
     package_file = PACKAGE_FILE
     compile_package = staticmethod(compile_decode_package)
-    row_limit = staticmethod(window_limit)
+    size_limit = staticmethod(token_limit)
 
     def covers(self, rows: Sequence[int], positions: torch.Tensor) -> bool:
-        """Rows ascending. The window is rows ``0..rows[-1]``, at most ``n_rows``; the attention
-        length is the largest position + 1, which must stay under ``n_positions``. A window mostly
-        of idle rows (a lone request in row 17: a prefix hit claims its retained row wherever it is)
-        costs more than the eager step on the stepping rows alone, so it is left to eager."""
-        window = rows[-1] + 1
-        if window > sparse_window_limit(len(rows)) or window > self.n_rows:
+        """A decode of ``rows`` at ``positions``: within the token limit, and the attention length
+        (the largest position + 1) under ``n_positions``."""
+        return len(rows) <= self.limit and int(positions.max()) + 1 < self.n_positions
+
+    def covers_chunks(self, starts: Sequence[int], lengths: Sequence[int]) -> bool:
+        """Chunks of ``lengths`` tokens after ``starts`` cached positions (a decode is a chunk of
+        one): within the token limit, the attention length under ``n_positions``, and the chunks'
+        (query, key) pairs within ``CHUNK_PAIR_LIMIT``."""
+        spans = list(zip(starts, lengths, strict=True))
+        if sum(lengths) > self.limit or max(s + n for s, n in spans) >= self.n_positions:
             return False
-        return int(positions.max()) + 1 < self.n_positions
+        pairs = sum(n * s + n * (n + 1) // 2 for s, n in spans if n > 1)
+        return pairs <= CHUNK_PAIR_LIMIT
 
     def __call__(
         self,
         rows: Sequence[int],
-        tokens: Sequence[int],
-        positions: torch.Tensor,
+        chunks: Sequence[Sequence[int]],
+        starts: Sequence[int],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """Decode ``tokens`` at ``positions`` of ``rows`` (ascending, slots already reserved); rows of
-        the window not stepping are padding whose cache the graph leaves as it is. Logits ``[B, vocab]``."""
-        all_tokens, all_positions, active, index = padded_decode_inputs(rows[-1] + 1, rows, tokens, positions)
-        key_pos = torch.arange(max(MIN_ATTN_LEN, int(positions.max()) + 1))
-        (out,) = self._run([all_tokens, all_positions, active, key_pos, k_cache, v_cache])
+        """Write ``chunks[i]`` into ``rows[i]`` after its ``starts[i]`` positions (slots reserved by
+        the caller, who sets the rows' lengths); logits of each chunk's last token ``[n, vocab]``."""
+        tokens: list[int] = []
+        token_rows: list[int] = []
+        positions: list[int] = []
+        last: list[int] = []
+        for row, chunk, start in zip(rows, chunks, starts, strict=True):
+            tokens.extend(chunk)
+            token_rows.extend([row] * len(chunk))
+            positions.extend(range(start, start + len(chunk)))
+            last.append(len(tokens) - 1)
+        key_len = max(MIN_ATTN_LEN, max(positions) + 1)
+        inputs = [torch.tensor(values, dtype=torch.long) for values in (tokens, token_rows, positions, last)]
+        (out,) = self._run([*inputs, torch.arange(key_len), k_cache, v_cache])
         self.steps += 1
-        return out[index]
+        return out
 
 
 @dataclass(frozen=True)
@@ -345,7 +360,7 @@ def open_frozen_entry(
         kind.compile_package(model, n_rows, n_positions, out)
 
     entry = cache.get_or_compile(inputs, compile_fn, no_compile=no_compile)
-    package = kind(entry.path / kind.package_file, kind.row_limit(model, n_rows), n_positions)
+    package = kind(entry.path / kind.package_file, kind.size_limit(model, n_rows, n_positions), n_positions)
     log.info(
         "compiled %s: key=%s %s in %.1fs (%s)",
         kind.graph,

@@ -1,6 +1,7 @@
 """The graphs that ``torch.export`` traces for the cpu target: static-shape ones, one per bucket
-(``DecodeGraph``, ``PrefillGraph``: ``neuron-lmi compile --target cpu``), and ``WindowDecodeGraph``,
-one decode graph with a dynamic batch and length (the CPU engine's compiled decode).
+(``DecodeGraph``, ``PrefillGraph``: ``neuron-lmi compile --target cpu``), and the CPU engine's
+dynamic ones: ``StepGraph`` (a flat batch of decode and prompt tokens, each at its own row and
+position) and ``ExtendGraph`` (rows of right-padded prompt chunks).
 
 All reuse the eager model's layer code (``DecoderLayer.qkv/attn_out/mlp``, ``apply_rotary``) so
 compiled and eager compute the same thing; decode attention is the eager ``grouped_decode_attention``
@@ -12,11 +13,10 @@ all forced by static shapes:
 * weights and rotary tables are *constants* of the graph (the wrapper's parameters and buffers,
   named by ``constant_tensors``); for the bucket graphs AOTInductor is told not to embed them, and
   the loader hands it the live tensors, so every bucket's artifact shares one copy of the weights
-  (the window decode graph freezes them instead: ``cpu_decode.py``);
+  (the engine's step and extend graphs freeze them instead: ``cpu_decode.py``);
 * the KV cache ``[layers, rows, kvh, n_positions, D]`` is an explicit *mutated input*, so prefill and
   decode artifacts write into the same ``cache_api.KVCache`` tensors;
-* decode runs all ``n_rows`` rows (batch = max_rolling_batch_size; the window graph: rows ``0..n-1``,
-  ``n`` the highest stepping row + 1). A row that is not part of
+* ``DecodeGraph`` runs all ``n_rows`` rows (batch = max_rolling_batch_size). A row that is not part of
   the step (``active[r]`` False) is padding: it computes on token 0 at position 0 and writes back the
   value already stored at that slot, so its cache is bit-for-bit unchanged whatever it holds (a free
   row, a paused row, a full row). Its logits are discarded by the runner;
@@ -138,46 +138,88 @@ def decode_rows(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
 ) -> torch.Tensor:
-    """The decode step both decode graphs trace: cache rows ``0..n-1`` step at ``positions`` (rows not
-    ``active`` rewrite what their slot holds) and attend over the first ``len(key_pos)`` positions."""
-    m, n, length = graph.model, tokens.shape[0], key_pos.shape[0]
-    rows = torch.arange(n)
+    """``DecodeGraph``'s step: cache rows ``0..n-1`` step at ``positions`` (rows not ``active``
+    rewrite what their slot holds) and attend over the first ``len(key_pos)`` positions."""
+    m = graph.model
+    rows = torch.arange(tokens.shape[0])
+    x = F.embedding(tokens[:, None], m.embed)
+    x = token_layers(graph, x, rows, positions, key_pos, active[:, None, None], k_cache, v_cache)
+    return m.logits(x[:, 0])
+
+
+def step_rows(
+    graph: _Graph,
+    tokens: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    last: torch.Tensor,
+    key_pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """``StepGraph``'s step: token i goes into cache row ``rows[i]`` at ``positions[i]`` and attends
+    over that row up to its own position, so a row's decode token or a prompt chunk's consecutive
+    tokens are all one batch of queries; returns the logits of the tokens at ``last``."""
+    m = graph.model
+    x = F.embedding(tokens[:, None], m.embed)
+    x = token_layers(graph, x, rows, positions, key_pos, None, k_cache, v_cache)
+    return m.logits(x[last, 0])
+
+
+def token_layers(
+    graph: _Graph,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    key_pos: torch.Tensor,
+    keep: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """Every layer over ``x`` ``[n, 1, hidden]``, one token per query: its K/V written to ``rows`` at
+    ``positions`` (where ``keep`` is False the slot is rewritten with what it holds), then attention
+    over its row's first ``len(key_pos)`` positions up to its own. Returns the last hidden state."""
+    m, n, length = graph.model, x.shape[0], key_pos.shape[0]
     cos, sin = graph.rope_cos[positions][:, None], graph.rope_sin[positions][:, None]
     window = m.args.sliding_window or 0
     op = decode_attention_form() == "op"
     mask = None if op else m.window_mask(positions[:, None], key_pos[None, :]).view(n, 1, 1, length)
-    keep = active[:, None, None]
-    x = F.embedding(tokens[:, None], m.embed)
     for i, layer in enumerate(m.layers):
         q, k, v = layer.qkv(x)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Index the 5-D cache itself (layer as an index tensor, not a view): a write through
         # ``k_cache[i]`` would be functionalised into a copy of the whole cache per layer.
         slot = (torch.full_like(rows, i), rows, slice(None), positions)
-        k_cache[slot] = torch.where(keep, k[:, :, 0], k_cache[slot])
-        v_cache[slot] = torch.where(keep, v[:, :, 0], v_cache[slot])
-        k_all, v_all = k_cache[i, :n, :, :length], v_cache[i, :n, :, :length]
+        new_k, new_v = k[:, :, 0], v[:, :, 0]
+        if keep is not None:
+            new_k, new_v = torch.where(keep, new_k, k_cache[slot]), torch.where(keep, new_v, v_cache[slot])
+        k_cache[slot], v_cache[slot] = new_k, new_v
         if op:
-            attn = decode_attention(q, k_all, v_all, positions, m.scale, window)
+            keys, values = k_cache[i, :, :, :length], v_cache[i, :, :, :length]
+            attn = decode_attention(q, keys, values, rows, positions, m.scale, window)
         else:
-            attn = compiled_decode_attention(q, k_all, v_all, mask, m.scale)
+            keys, values = k_cache[i, rows, :, :length], v_cache[i, rows, :, :length]
+            attn = compiled_decode_attention(q, keys, values, mask, m.scale)
         x = x + layer.attn_out(attn)
         x = x + layer.mlp(x)
-    return m.logits(x[:, 0])
+    return x
 
 
-class WindowDecodeGraph(_Graph):
-    """One decode step over the first ``n`` cache rows (the *window*) attending over ``L`` positions,
-    both taken from the inputs' shapes, so one graph exported with dynamic ``n`` and ``L`` serves
-    every batch and length (``neuron_lmi/compile/cpu_decode.py``).
+class StepGraph(_Graph):
+    """One engine step as a flat batch of tokens: decodes (one token of a row) and prompt chunks
+    (consecutive tokens of a row) together, so a step that admits prompts while others decode runs
+    one forward, unpadded (``neuron_lmi/compile/cpu_decode.py``). The token count, the number of
+    logits and the attention length come from the inputs' shapes, so one graph exported with all
+    three dynamic serves every step.
 
-    Inputs: ``tokens``/``positions`` int64 ``[n]``, ``active`` bool ``[n]``, ``key_pos`` int64 ``[L]``
-    (``arange(L)``: its length is the attention length), ``k_cache``/``v_cache`` (mutated, all rows).
-    Output: fp32 logits ``[n, vocab]``. ``L`` must stay below the cache's ``n_positions``: at equal
-    sizes the slice would be the whole (contiguous) tensor, a case the exported graph specialises on.
+    Inputs: ``tokens``/``rows``/``positions`` int64 ``[n]`` (a row's tokens at consecutive
+    positions, its cached prefix before them), ``last`` int64 ``[b]`` (the tokens whose logits are
+    wanted), ``key_pos`` int64 ``[L]`` (``arange(L)``, ``L`` above every position, below the cache's
+    ``n_positions``: at equal sizes the slice would be the whole tensor, a case the exported graph
+    specialises on), ``k_cache``/``v_cache`` (mutated). Output: fp32 logits ``[b, vocab]``.
     """
 
-    forward = decode_rows
+    forward = step_rows
 
 
 def extend_rows(

@@ -39,7 +39,7 @@ from neuron_lmi.engine.types import (
     TokenEvent,
     TopToken,
 )
-from neuron_lmi.runners.base import ModelRunner, supports_extend
+from neuron_lmi.runners.base import ModelRunner, supports_extend, supports_mixed_steps
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,9 @@ class EngineCore:
 
     On a runner that supports ``extend`` the defaults are chunked prefill (``ChunkedPrefill``:
     ``DEFAULT_STEP_TOKENS`` per step shared with the decodes) and prefix reuse (a finished row
-    retains its K/V until reallocated); elsewhere whole prompts within ``max_prefill_tokens``.
+    retains its K/V until reallocated); elsewhere whole prompts within ``max_prefill_tokens``. On a
+    runner with ``mixed_steps`` (``runners.base.supports_mixed_steps``) a step is one ``extend``
+    call: its prompt chunks, and each decoding request's last token as a chunk of one.
     """
 
     def __init__(
@@ -162,6 +164,11 @@ class EngineCore:
         decision = self.scheduler.schedule(self.runner.rows.occupancy().rows_free)
         events = self._place(decision.prefill, decision.chunks)
         spans = {c.request: c for c in decision.chunks if c.request.status is Status.RUNNING}
+        if supports_mixed_steps(self.runner) and not decision.recompute and (spans or decision.decode):
+            stepping = [*spans, *decision.decode]
+            events += self._forward(stepping, lambda rs: self._mixed(rs, spans), isolate=True)
+            self.steps += 1
+            return events
         fresh = [r for r, c in spans.items() if c.start == 0]
         more = [r for r, c in spans.items() if c.start > 0]
         if fresh:
@@ -206,6 +213,17 @@ class EngineCore:
         for r in requests:  # idempotent, so a failed batch can be retried one request at a time
             self.runner.rows.set_length(r.row, spans[r].start)
         return self.runner.extend([r.row for r in requests], [spans[r].tokens for r in requests])  # type: ignore[attr-defined]
+
+    def _mixed(self, requests: list[Request], spans: dict[Request, PrefillChunk]) -> torch.Tensor:
+        """The whole step as one ``extend``: each span's chunk, and each decoding request's last
+        token after the positions its row holds."""
+        chunks = []
+        for r in requests:  # idempotent, as _extend_chunks
+            span = spans.get(r)
+            start = span.start if span is not None else len(r.prompt_ids) + len(r.output_ids) - 1
+            self.runner.rows.set_length(r.row, start)
+            chunks.append(span.tokens if span is not None else [r.last_token])
+        return self.runner.extend([r.row for r in requests], chunks)  # type: ignore[attr-defined]
 
     def _prefill(self, requests: list[Request], full: bool) -> torch.Tensor:
         prompts = [r.all_ids if full else r.prompt_ids for r in requests]

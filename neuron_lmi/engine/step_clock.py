@@ -46,9 +46,9 @@ class TimedRunner:
         for name in FORWARD_METHODS:
             method = getattr(runner, name, None)
             if method is not None:
-                setattr(self, name, self._timed(method, counts_rows=name == "decode"))
+                setattr(self, name, self._timed(method, name))
 
-    def _timed(self, method: Any, counts_rows: bool) -> Any:
+    def _timed(self, method: Any, name: str) -> Any:
         def call(rows: Sequence[int], *args: Any, **kwargs: Any) -> Any:
             start, cpu = time.perf_counter(), time.thread_time()
             try:
@@ -56,8 +56,10 @@ class TimedRunner:
             finally:
                 self.forward_s += time.perf_counter() - start
                 self.forward_cpu_s += time.thread_time() - cpu
-                if counts_rows:
+                if name == "decode":
                     self.decoded_rows += len(rows)
+                elif name == "extend":  # a mixed step's decodes are its one-token chunks
+                    self.decoded_rows += sum(1 for chunk in args[0] if len(chunk) == 1)
 
         return call
 

@@ -1,12 +1,13 @@
-// The CPU kernel of neuron_lmi::decode_attention (see decode_attention.py): one query per cache row
-// against that row's keys and values, the query heads of a group sharing each K/V read.
+// The CPU kernel of neuron_lmi::decode_attention (see decode_attention.py): one query per token
+// against its cache row's keys and values, the query heads of a group sharing each K/V read.
 //
-// Row r attends to positions [first, positions[r]] of its slice (first = 0, or the sliding window's
-// start), so a short row reads only its own length, whatever the slice's. Work items are (row, KV
-// head) pairs, split over the ATen thread pool; each reads its K block once (scores for the G
-// query heads), takes a softmax in fp32, then reads its V block once. With AVX-512 (the build uses
-// -march=native) the dot products, the exponentials and the bf16 conversions are vectorised by hand;
-// elsewhere plain loops run (the compiler vectorises what it can).
+// Query i reads cache row rows[i] and attends to positions [first, positions[i]] of it (first = 0,
+// or the sliding window's start), so a short row reads only its own length, whatever the slice's.
+// Queries may share a row (the tokens of a prompt chunk, each at its own position: causal by
+// construction). Work items are (query, KV head) pairs, split over the ATen thread pool; each reads
+// its K block once (scores for the G query heads), takes a softmax in fp32, then reads its V block
+// once. With AVX-512 (the build uses -march=native) the dot products, the exponentials and the bf16
+// conversions are vectorised by hand; elsewhere plain loops run (the compiler vectorises what it can).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,7 +25,7 @@
 
 namespace {
 
-// What one (row, KV head) item reads and writes; strides in elements.
+// What one (query, KV head) item reads and writes; strides in elements.
 template <typename T>
 struct Item {
   const T* q;          // first query head of the group
@@ -295,29 +296,35 @@ void attend(const Item<T>& it, int64_t groups, int64_t dim, float scale, float* 
   attend_plain<T>(it, groups, dim, scale, scratch);
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
                             const at::Tensor& positions, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1,
-              "decode_attention: q [n, H, 1, D], k and v [n, KVH, L, D]");
+              "decode_attention: q [n, H, 1, D], k and v [R, KVH, L, D]");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "decode_attention: q, k and v must all be fp32 or all bf16");
-  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(3);
-  const int64_t kv_heads = k.size(1), length = k.size(2);
-  TORCH_CHECK(k.size(0) == rows && v.size(0) == rows && v.size(1) == kv_heads && v.size(2) == length &&
-                  k.size(3) == dim && v.size(3) == dim && heads % kv_heads == 0,
+  const int64_t queries = q.size(0), heads = q.size(1), dim = q.size(3);
+  const int64_t cache_rows = k.size(0), kv_heads = k.size(1), length = k.size(2);
+  TORCH_CHECK(v.size(0) == cache_rows && v.size(1) == kv_heads && v.size(2) == length && k.size(3) == dim &&
+                  v.size(3) == dim && heads % kv_heads == 0,
               "decode_attention: q, k and v shapes disagree");
-  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows, "decode_attention: one position per row");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == queries && rows.dim() == 1 && rows.size(0) == queries,
+              "decode_attention: one row and one position per query");
   const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
   const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
   const at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
   const at::Tensor pos = positions.to(at::kLong).contiguous();
+  const at::Tensor row = rows.to(at::kLong).contiguous();
   const int64_t* pos_p = pos.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r)
+  const int64_t* row_p = row.data_ptr<int64_t>();
+  for (int64_t r = 0; r < queries; ++r) {
     TORCH_CHECK(0 <= pos_p[r] && pos_p[r] < length, "decode_attention: position ", pos_p[r], " outside 0..",
                 length - 1);
+    TORCH_CHECK(0 <= row_p[r] && row_p[r] < cache_rows, "decode_attention: row ", row_p[r], " outside 0..",
+                cache_rows - 1);
+  }
   const int64_t groups = heads / kv_heads;
-  at::Tensor out = at::empty({rows, heads, 1, dim}, q.options());
+  at::Tensor out = at::empty({queries, heads, 1, dim}, q.options());
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const T* qp = qc.data_ptr<T>();
@@ -325,10 +332,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     const T* vp = vc.data_ptr<T>();
     T* op = out.data_ptr<T>();
     const int64_t padded = (length + 15) / 16 * 16;
-    const int64_t items = rows * kv_heads;
+    const int64_t items = queries * kv_heads;
     auto first_of = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, pos_p[r] - window + 1) : 0; };
-    // Rows differ in length: each thread gets a run of items of about equal cost (keys read plus a
-    // fixed part), not an equal count, so no thread waits for another at the end.
+    // Queries differ in length: each thread gets a run of items of about equal cost (keys read plus
+    // a fixed part), not an equal count, so no thread waits for another at the end. A run keeps a
+    // chunk's queries together, so their row's K/V is read from cache after the first.
     std::vector<int64_t> bounds{0};
     {
       std::vector<int64_t> cost(items + 1, 0);
@@ -353,13 +361,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         int64_t next_n = 0;
         if (i + 1 < end) {
           const int64_t nr = (i + 1) / kv_heads, nh = (i + 1) % kv_heads;
-          next_k = kp + nr * kc.stride(0) + nh * kc.stride(1) + first_of(nr) * kc.stride(2);
+          next_k = kp + row_p[nr] * kc.stride(0) + nh * kc.stride(1) + first_of(nr) * kc.stride(2);
           next_n = pos_p[nr] - first_of(nr) + 1;
         }
         const Item<T> item{qp + r * qc.stride(0) + h * groups * qc.stride(1), qc.stride(1),
-                           kp + r * kc.stride(0) + h * kc.stride(1), vp + r * vc.stride(0) + h * vc.stride(1),
-                           kc.stride(2), vc.stride(2), op + (r * heads + h * groups) * dim, dim, first, last,
-                           next_k, next_n};
+                           kp + row_p[r] * kc.stride(0) + h * kc.stride(1),
+                           vp + row_p[r] * vc.stride(0) + h * vc.stride(1), kc.stride(2), vc.stride(2),
+                           op + (r * heads + h * groups) * dim, dim, first, last, next_k, next_n};
         attend<T>(item, groups, dim, static_cast<float>(scale), scratch.data());
       }
     });

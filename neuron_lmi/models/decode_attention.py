@@ -11,10 +11,13 @@ the whole slice the step's longest row needs. The graphs call it on CPUs with AV
 is written by hand; elsewhere its plain loops were slower than Inductor's form, which those CPUs keep
 (``graphs.decode_attention_form``).
 
-Inputs: ``q`` ``[n, H, 1, D]`` (rotary applied), ``k``/``v`` ``[n, KVH, L, D]`` (the cache's slices,
-strided), ``positions`` int64 ``[n]`` (row r's query position, ``< L``), ``scale``, ``window``
-(the sliding window, 0 for none). Output ``[n, H, 1, D]`` in ``q``'s dtype. The sums run in another
-order than SDPA's: results differ in the last bits (greedy ids: ``tests/compile``).
+Inputs: ``q`` ``[n, H, 1, D]`` (rotary applied: one query per token), ``k``/``v`` ``[R, KVH, L, D]``
+(one layer of the cache, strided), ``rows`` int64 ``[n]`` (query i's cache row), ``positions``
+int64 ``[n]`` (query i's position, ``< L``), ``scale``, ``window`` (the sliding window, 0 for none).
+Queries may share a row: the tokens of a prompt chunk, written into the cache before the call, each
+attend up to their own position, which is causal attention over the chunk (``graphs.step_rows``).
+Output ``[n, H, 1, D]`` in ``q``'s dtype. The sums run in another order than SDPA's: results differ
+in the last bits (greedy ids: ``tests/compile``).
 """
 
 from __future__ import annotations
@@ -25,13 +28,20 @@ from neuron_lmi.models import native
 
 _library = torch.library.Library("neuron_lmi", "FRAGMENT")
 _library.define(
-    "decode_attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale, int window) -> Tensor"
+    "decode_attention(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor positions, float scale, int window)"
+    " -> Tensor"
 )
 
 
 @torch.library.register_fake("neuron_lmi::decode_attention", lib=_library)
 def _attention_shape(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float, window: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)
 
@@ -55,9 +65,16 @@ def compiled_decode_attention(
 
 
 def reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float, window: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int,
 ) -> torch.Tensor:
     """What the op computes, in torch (fp32 inside): the Python kernel, and the tests' yardstick."""
+    k, v = k[rows], v[rows]
     key_pos = torch.arange(k.shape[2])
     visible = key_pos[None, :] <= positions[:, None]
     if window > 0:
@@ -76,7 +93,13 @@ def register_python_kernels() -> None:
 
 
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float, window: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int,
 ) -> torch.Tensor:
     """The op (what a traced graph records); ``kernel()`` first."""
-    return torch.ops.neuron_lmi.decode_attention(q, k, v, positions, scale, window)
+    return torch.ops.neuron_lmi.decode_attention(q, k, v, rows, positions, scale, window)

@@ -36,6 +36,10 @@ class ExtendingRunner(ModelRunner, Protocol):
     logits; any chunk length that fits ``n_positions`` is accepted. ``copy`` duplicates a row's
     first ``n`` positions into another allocated row. Runners without them (the Neuron runners)
     get whole-prompt prefill from the engine.
+
+    ``mixed_steps`` (optional, read per step): a chunk of one token after a row's prefix is that
+    row's decode, and ``extend`` runs a whole step -- decodes and prompt chunks -- in one forward;
+    the engine then sends each step as one call.
     """
 
     supports_extend: bool
@@ -48,6 +52,11 @@ class ExtendingRunner(ModelRunner, Protocol):
 def supports_extend(runner: ModelRunner) -> bool:
     """Whether ``runner`` is an ``ExtendingRunner`` (chunked prefill and prefix reuse apply)."""
     return bool(getattr(runner, "supports_extend", False))
+
+
+def supports_mixed_steps(runner: ModelRunner) -> bool:
+    """Whether the engine should send a whole step (decodes and prompt chunks) as one ``extend``."""
+    return supports_extend(runner) and bool(getattr(runner, "mixed_steps", False))
 
 
 def ascending(rows: Sequence[int]) -> list[int]:

@@ -30,7 +30,9 @@ class CpuRunner:
     ``compiled_decode`` and ``compiled_extend`` (set by the engine builder, ``compile.cpu_decode``
     and ``compile.cpu_extend``) run the decode and extend steps they cover; with a compiled extend,
     a prefill is an extend from position 0 (no buckets or packing: the graph takes any length).
-    The rest run the eager model.
+    The rest run the eager model. With the compiled step graph (``compiled_decode``) an ``extend``
+    may mix decodes (chunks of one token) with prompt chunks, all in one forward where the graph
+    covers them (``mixed_steps``: the engine then sends a whole step as one ``extend``).
     """
 
     def __init__(
@@ -64,6 +66,12 @@ class CpuRunner:
     @property
     def rows(self) -> RowTable:
         return self.cache.rows
+
+    @property
+    def mixed_steps(self) -> bool:
+        """Whether one ``extend`` call should carry a whole step, decodes included: only the compiled
+        step graph runs them together (elsewhere ``extend`` sends the decodes to ``decode``)."""
+        return self.compiled_decode is not None
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         if len(rows) != len(prompts):
@@ -143,7 +151,23 @@ class CpuRunner:
                     f"extend: row {row} holds {self.rows.length(row)} positions, {len(chunk)} more "
                     f"exceed n_positions={self.n_positions}"
                 )
+        starts = self.rows.lengths(rows)
+        step = self.compiled_decode
+        if step is not None and step.covers_chunks(starts, [len(c) for c in chunks]):
+            logits = step(rows, chunks, starts, self.cache.k, self.cache.v)
+            for row, start, chunk in zip(rows, starts, chunks, strict=True):
+                self.rows.set_length(row, start + len(chunk))
+            return logits
         logits = torch.empty(len(rows), self.vocab_size)
+        single = [i for i, c in enumerate(chunks) if len(c) == 1 and starts[i] > 0]
+        if single:  # decodes of a mixed step the graph does not cover: run apart from the prompts
+            logits[single] = self.decode([rows[i] for i in single], [chunks[i][0] for i in single])
+            if len(single) == len(rows):
+                return logits
+            decoded = set(single)
+            rest = [i for i in range(len(rows)) if i not in decoded]
+            logits[rest] = self.extend([rows[i] for i in rest], [chunks[i] for i in rest])
+            return logits
         piece, done = self.context_buckets[-1], 0
         while done < max(len(c) for c in chunks):
             live = [i for i, c in enumerate(chunks) if len(c) > done]
@@ -186,7 +210,8 @@ class CpuRunner:
         ordered_tokens = [tokens[i] for i in order]
         compiled = self.compiled_decode
         if compiled is not None and compiled.covers(ordered, positions):
-            logits = compiled(ordered, ordered_tokens, positions, self.cache.k, self.cache.v)
+            chunks, starts = [[t] for t in ordered_tokens], positions.tolist()
+            logits = compiled(ordered, chunks, starts, self.cache.k, self.cache.v)
             return in_asked_order(logits, order)
         # Each row's length bucket: the model may group rows by it, so a long row does not make the
         # others read its length.

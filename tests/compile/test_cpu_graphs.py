@@ -1,6 +1,6 @@
-"""The compiled decode and extend (``compile.cpu_decode``, ``cpu_extend``): the same greedy tokens
-and cache contents as the eager runner, one compile per model and shape (then a cache hit), eager
-wherever a package does not reach."""
+"""The compiled step and extend (``compile.cpu_decode``, ``cpu_extend``): the same greedy tokens
+and cache contents as the eager runner, one forward per engine step where the step graph covers it,
+one compile per model and shape (then a cache hit), eager wherever a package does not reach."""
 
 from __future__ import annotations
 
@@ -25,45 +25,52 @@ def _llm(model_dir: Path, **options: object) -> LLM:
     return LLM(str(model_dir), max_rolling_batch_size=N_ROWS, n_positions=N_POSITIONS, **options)
 
 
-def on_library(model: str, library: str) -> object:
+def on_library(model: str, library: str, pair_limit: int | None = None) -> object:
     missing = not packed_linear.available(library)
     skip = pytest.mark.skipif(missing, reason=f"no {library} packed GEMM")
-    return pytest.param(model, library, None, marks=skip)
+    return pytest.param(model, library, None, pair_limit, marks=skip)
 
 
 @pytest.mark.parametrize(
-    ("model", "library", "attention"),
+    ("model", "library", "attention", "pair_limit"),
     [
-        on_library("tiny_llama_dir", "mkl"),
+        on_library("tiny_llama_dir", "mkl", pair_limit=100),
         on_library("tiny_llama_dir", "onednn"),
-        ("tiny_mistral_dir", None, None),
-        ("tiny_mistral_dir", None, "inductor"),  # the form CPUs without AVX-512 get
+        ("tiny_mistral_dir", None, None, None),
+        ("tiny_mistral_dir", None, "inductor", 100),  # the form CPUs without AVX-512 get
     ],
 )
 def test_compiled_graphs_equal_eager_token_for_token(
     model: str,
     library: str | None,
     attention: str | None,
+    pair_limit: int | None,
     request: pytest.FixtureRequest,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Six requests on four rows join and leave mid-batch, so steps run on windows with idle rows;
-    Mistral's 16-token sliding window is crossed; one row fills all 128 positions, so its last step
-    (attention over the whole cache) runs eagerly. Prompts are prefilled by the compiled extend,
-    those sharing a 16-token prefix with a running or retained row extend after a copied prefix.
-    The fp32 GEMMs run on MKL's and on oneDNN's packs (Mistral: the host's library); the decode
-    attention is the host's form, and for Mistral the Inductor form too."""
+    """Six requests on four rows join and leave mid-batch, so steps mix prompt chunks with the
+    decodes of rows anywhere in the cache; Mistral's 16-token sliding window is crossed; one row
+    fills all 128 positions, so its last step (attention over the whole cache) runs eagerly.
+    Prompts sharing a 16-token prefix with a running or retained row extend after a copied prefix.
+    Where the step graph covers a step it runs it whole: no step calls the runner twice. With a low
+    ``CHUNK_PAIR_LIMIT`` the longer chunks go to the extend graph and their step's decodes to the
+    step graph apart. The fp32 GEMMs run on MKL's and on oneDNN's packs (Mistral: the host's
+    library); the decode attention is the host's form, and for Mistral the Inductor form too."""
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
     if library is not None:
         monkeypatch.setenv(packed_linear.LIBRARY_ENV, library)
     if attention is not None:
         monkeypatch.setenv(graphs.ATTENTION_ENV, attention)
+    if pair_limit is not None:
+        monkeypatch.setattr(cpu_decode, "CHUNK_PAIR_LIMIT", pair_limit)
     model_dir = request.getfixturevalue(model)
     eager, compiled = _llm(model_dir), _llm(model_dir, compile_graphs=True)
-    package, extend = compiled.core.runner.compiled_decode, compiled.core.runner.compiled_extend
+    runner = compiled.core.runner
+    package, extend = runner.compiled_decode, runner.compiled_extend
     assert eager.core.runner.compiled_decode is None and eager.core.runner.compiled_extend is None
     assert package is not None and extend is not None
+    forwards_per_step = _count_forwards(compiled)
     ids = list(range(300, 420))
     prompts = [ids[:3], ids[:40], ids[:100], ids[5:6], ids[10:30], ids[:64]]
     new = (12, 5, 28, 9, 40, 7)  # the 100-token prompt plus 28 tokens fills 128 positions
@@ -74,24 +81,47 @@ def test_compiled_graphs_equal_eager_token_for_token(
     assert [len(t) for t in got] == list(new)
     assert package.steps > 30  # the decode steps ran in the package, not eagerly
     if packed_linear.host_library() is not None:  # fp32 GEMMs on packs of the package's own weights
-        assert packed_linear.cached_packs() >= len(cpu_decode.matmul_weights(compiled.core.runner.model))
-    assert extend.steps >= 3  # and the prefills in the other one
+        assert packed_linear.cached_packs() >= len(cpu_decode.matmul_weights(runner.model))
+    # The first step's 144 prompt tokens pass the step graph's limit (4 rows + 128): the extend
+    # graph, in a call per chunk bucket. After it, every step is one call (none: the eager last
+    # position), unless a low pair limit sends long chunks to the extend graph beside the decodes.
+    assert extend.steps >= (3 if pair_limit else 1) and forwards_per_step.count(1) > 30
+    assert (max(forwards_per_step[1:]) > 1) == bool(pair_limit)
     assert not package.covers([0], torch.tensor([N_POSITIONS - 1]))  # the full-cache step: eager
-    assert compiled.core.runner.rows.in_use() == []
+    assert runner.rows.in_use() == []
 
 
-def test_a_window_mostly_of_idle_rows_decodes_eagerly() -> None:
-    """The window runs rows 0..highest: one request in a high row would pay for all the rows below."""
-    limit = cpu_decode.sparse_window_limit
-    assert limit(1) == 6 and limit(16) == 36
-    decode = cpu_decode.CompiledDecode.__new__(cpu_decode.CompiledDecode)
-    decode.n_rows, decode.n_positions = 64, 128
-    at = torch.tensor([10])
-    assert decode.covers([0], at) and decode.covers([5], at)
-    assert not decode.covers([6], at) and not decode.covers([40], at)
-    assert not decode.covers([3, 9, 20], torch.tensor([10, 11, 12]))  # 21 rows for 3: eager
-    assert decode.covers(list(range(8)), torch.full((8,), 10))
-    assert not decode.covers(list(range(8)), torch.full((8,), 127))  # the full-cache step: eager
+def _count_forwards(llm: LLM) -> list[int]:
+    """A list that fills, as ``llm`` runs, with the number of package calls each engine step made."""
+    runner, core = llm.core.runner, llm.core
+    counts: list[int] = []
+    step = core.step
+
+    def counted_step() -> object:
+        before = runner.compiled_decode.steps + runner.compiled_extend.steps
+        events = step()
+        counts.append(runner.compiled_decode.steps + runner.compiled_extend.steps - before)
+        return events
+
+    core.step = counted_step  # type: ignore[method-assign]
+    return counts
+
+
+def test_the_step_graph_takes_what_it_runs_well() -> None:
+    """Any rows (no window), up to its token limit; chunks while their attention pairs stay within
+    ``CHUNK_PAIR_LIMIT`` (past it SDPA in the extend graph does better); never the last position."""
+    step = cpu_decode.CompiledDecode.__new__(cpu_decode.CompiledDecode)
+    step.limit, step.n_positions = 40, 128
+    at = torch.tensor([10, 11, 12])
+    assert step.covers([3, 9, 20], at) and step.covers([39], torch.tensor([126]))
+    assert not step.covers(list(range(41)), torch.full((41,), 10))  # over the token limit
+    assert not step.covers([0], torch.tensor([127]))  # the full-cache step: eager
+    assert step.covers_chunks([0, 50, 7], [30, 1, 1]) and not step.covers_chunks([0, 0], [30, 11])
+    assert not step.covers_chunks([120, 5], [8, 2]) and step.covers_chunks([119, 5], [8, 2])  # 128 > 127
+    wide = cpu_decode.CompiledDecode.__new__(cpu_decode.CompiledDecode)
+    wide.limit, wide.n_positions = 1000, 2048
+    assert wide.covers_chunks([0] * 4, [60] * 4)  # four 60-token prompts: 7,320 pairs
+    assert not wide.covers_chunks([1000], [200])  # 220,100 pairs: the extend graph
 
 
 def test_second_start_loads_from_the_cache_without_compiling(
@@ -133,8 +163,8 @@ def test_models_and_caches_without_a_decode_graph(
     quantized = load_tiny(tiny_llama_dir)
     quantize_model(quantized, "int8")
     assert cpu_decode.decode_unsupported(quantized, N_ROWS, N_POSITIONS) is None
-    # torch's int8 kernel runs row by row: from 40 rows on the eager GEMM wins, so the window stops.
-    assert cpu_decode.window_limit(quantized, 64) == 39 and cpu_decode.window_limit(dense, 64) == 64
+    # torch's int8 kernel runs row by row: from 40 tokens on the eager GEMM wins, so the step stops.
+    assert cpu_decode.token_limit(quantized, 64, 128) == 39 and cpu_decode.token_limit(dense, 64, 128) == 192
     quantized_key = cpu_decode.decode_key_inputs(quantized, tiny_llama_dir, N_ROWS, N_POSITIONS)
     assert "weights=int8" in quantized_key.compiler_flags and "max_autotune=True" not in str(quantized_key)
     moe = load_tiny(make_tiny_checkpoint(tmp_path / "mixtral", "mixtral"))
@@ -155,7 +185,7 @@ def test_models_and_caches_without_a_decode_graph(
         monkeypatch.setenv(packed_linear.LIBRARY_ENV, library)
         flag = f"packed_gemm=neuron_lmi::{library}_linear"
 
-        def flags(model: object, graph: str = "window-decode") -> tuple[str, ...]:
+        def flags(model: object, graph: str = "step") -> tuple[str, ...]:
             key = cpu_decode.decode_key_inputs(model, tiny_llama_dir, N_ROWS, N_POSITIONS, graph)
             return key.compiler_flags
 
@@ -200,7 +230,7 @@ def test_compiled_extend_writes_the_cache_and_logits_eager_does(
 
 def _teacher_forced(runner: CpuRunner, lone_row_step: bool = False) -> torch.Tensor:
     """Logits ``[steps, 3, vocab]`` of one prefill of three prompts into fresh rows (0, 1, 2) and four
-    decode steps over them; with ``lone_row_step``, then one step of row 0 alone (a one-row window),
+    decode steps over them; with ``lone_row_step``, then one step of row 0 alone (one token),
     broadcast over the three. The rows are freed after."""
     prompts = [list(range(300, 310)), list(range(400, 437)), [5, 6]]
     rows = [runner.rows.allocate() for _ in prompts]
@@ -230,7 +260,7 @@ def test_bf16_graphs_follow_the_eager_bf16_engine(
         in cpu_decode.decode_key_inputs(compiled.model, tiny_llama_dir, N_ROWS, N_POSITIONS).compiler_flags
     )
     want, got = _teacher_forced(eager), _teacher_forced(compiled)
-    assert decode.steps == 4 and extend.steps >= 1
+    assert decode.steps == 5 and extend.steps == 0  # 49 prompt tokens: the step graph's too
     assert (got - want).abs().max() < 0.05 * want.abs().max()
 
 
@@ -240,9 +270,9 @@ def test_quantized_graphs_follow_the_eager_quantized_engine(
 ) -> None:
     """``option.quantize``: the decode graph keeps the weights quantized and runs torch's packed
     kernels, as the eager step does below ``gemm_min_rows``; the extend graph traces a copy with them
-    dequantized to the model's dtype. Teacher-forced through a prefill of three prompts, four decode
-    steps over their rows and one step of the lowest row alone (a window of one row), the logits stay
-    within bf16 rounding of the eager quantized runner's."""
+    dequantized to the model's dtype. Teacher-forced through a prefill of three prompts (49 tokens,
+    past the step graph's 39), four decode steps over their rows and one step of the lowest row
+    alone (one token), the logits stay within bf16 rounding of the eager quantized runner's."""
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
     eager = _llm(tiny_llama_dir, quantize=method).core.runner
     compiled = _llm(tiny_llama_dir, quantize=method, compile_graphs=True).core.runner

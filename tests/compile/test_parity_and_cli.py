@@ -90,7 +90,7 @@ def test_compile_command_builds_the_graphs_serve_loads(
     ]
     assert main(argv) == 0
     first = json.loads(capsys.readouterr().out)
-    assert [p["graph"] for p in first["packages"]] == ["window-decode", "extend"]
+    assert [p["graph"] for p in first["packages"]] == ["step", "extend"]
     assert first["compiled"] is True and all(p["compiled"] for p in first["packages"])
     assert first["key"] == first["packages"][0]["key"] and first["graphs"] == 2
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))

@@ -160,3 +160,33 @@ def test_no_row_leaks_when_a_request_is_aborted_between_prompt_chunks(tokenizer)
     assert sum(sum(n) for kind, _, n in runner.calls if kind in ("prefill", "extend")) == 64 + 36
     assert again[-1].finish_reason is FinishReason.LENGTH
     assert runner.rows.occupancy().rows_used == 0
+
+
+def test_a_mixed_steps_runner_gets_each_step_as_one_extend(tokenizer) -> None:
+    """``mixed_steps``: the decodes ride in the step's one ``extend`` call as one-token chunks (the
+    row's last token after the positions it holds), beside the prompt chunks; the rows hold what
+    the two-call engine leaves, and the streams get the same tokens."""
+    events: dict[bool, list[list[TokenEvent]]] = {}
+    for mixed in (False, True):
+        runner = FakeRunner()
+        runner.mixed_steps = mixed  # type: ignore[attr-defined]
+        core = EngineCore(runner, tokenizer, [0], prefill=ChunkedPrefill(step_tokens=64, min_chunk=16))
+        streams = [add(core, prompt(10, first=3 + i), 12) for i in range(3)]
+        core.step()
+        runner.step_calls()
+        streams.append(add(core, prompt(100, first=60), 4))  # joins while the three decode
+        lengths_seen, checked = [], 0
+        while core.has_work():
+            core.step()
+            calls = runner.step_calls()
+            if mixed:
+                assert len(calls) == 1 and calls[0][0] == "extend"
+                lengths_seen.append(calls[0][2])
+            for row, stream in enumerate(streams[:3]):  # a decoding row holds all but the newest token
+                if row in runner.rows.in_use() and not stream[-1].finish_reason:
+                    assert runner.rows.length(row) == 10 + len(stream) - 1
+                    checked += 1
+        events[mixed] = streams
+        assert checked == 3 * 10 and runner.rows.occupancy().rows_used == 0
+    assert lengths_seen[0] == [61, 1, 1, 1] and lengths_seen[1] == [39, 1, 1, 1]  # chunk, decodes
+    assert [[e.token_id for e in s] for s in events[True]] == [[e.token_id for e in s] for s in events[False]]

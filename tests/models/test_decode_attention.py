@@ -1,7 +1,8 @@
 """``neuron_lmi::decode_attention``: the eager model's decode attention (SDPA over a masked cache
-slice) for every row at its own position, in fp32 and bf16, with and without a sliding window; the
-hand-vectorised path (head dims 64 and 128 on AVX-512 hosts) and the plain one (any other head dim);
-the Python kernel where the native one is off; a position outside the slice refused."""
+slice) for every query at its own row and position, in fp32 and bf16, with and without a sliding
+window; queries sharing a row (a prompt chunk) equal causal SDPA over the chunk; the hand-vectorised
+path (head dims 64 and 128 on AVX-512 hosts) and the plain one (any other head dim); the Python
+kernel where the native one is off; a position or row outside the cache refused."""
 
 from __future__ import annotations
 
@@ -32,10 +33,15 @@ def sdpa(
 def cache_slices(
     rows: int, kv_heads: int, length: int, dim: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V as the graphs pass them: strided slices of a larger ``[rows, KVH, n_positions, D]`` cache."""
-    k = torch.randn(rows + 2, kv_heads, length + 9, dim, dtype=dtype)
-    v = torch.randn(rows + 2, kv_heads, length + 9, dim, dtype=dtype)
-    return k[:rows, :, :length], v[:rows, :, :length]
+    """K and V as the graphs pass them: strided slices of a larger ``[layers, rows, KVH, n_positions,
+    D]`` cache (one layer, every row, the first ``length`` positions)."""
+    k = torch.randn(2, rows, kv_heads, length + 9, dim, dtype=dtype)
+    v = torch.randn(2, rows, kv_heads, length + 9, dim, dtype=dtype)
+    return k[1, :, :, :length], v[1, :, :, :length]
+
+
+def identity(n: int) -> torch.Tensor:
+    return torch.arange(n)
 
 
 CASES = [
@@ -50,41 +56,66 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "length", "window"), CASES)
-def test_equals_the_eager_attention_for_every_row_at_its_own_position(
+def test_equals_the_eager_attention_for_every_query_at_its_own_row_and_position(
     dtype: torch.dtype, heads: int, kv_heads: int, dim: int, length: int, window: int
 ) -> None:
     torch.manual_seed(heads * dim + length)
-    rows = 6
-    k, v = cache_slices(rows, kv_heads, length, dim, dtype)
-    q = torch.randn(rows, 1, heads, dim, dtype=dtype).transpose(1, 2)  # strided, as qkv() returns it
+    k, v = cache_slices(8, kv_heads, length, dim, dtype)
+    rows = torch.tensor([5, 0, 2, 2, 7, 1])  # any rows, in any order; row 2 twice at two positions
+    n = len(rows)
+    q = torch.randn(n, 1, heads, dim, dtype=dtype).transpose(1, 2)  # strided, as qkv() returns it
     positions = torch.tensor([length - 1, 0, 1, 3, length // 2, length - 2])
-    got = da.decode_attention(q, k, v, positions, dim**-0.5, window)
-    assert got.shape == (rows, heads, 1, dim) and got.dtype == dtype
-    want = sdpa(q.float(), k.float(), v.float(), positions, dim**-0.5, window)
+    got = da.decode_attention(q, k, v, rows, positions, dim**-0.5, window)
+    assert got.shape == (n, heads, 1, dim) and got.dtype == dtype
+    want = sdpa(q.float(), k[rows].float(), v[rows].float(), positions, dim**-0.5, window)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's rounding
     torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
-    torch.testing.assert_close(da.reference(q, k, v, positions, dim**-0.5, window).float(), want,
+    torch.testing.assert_close(da.reference(q, k, v, rows, positions, dim**-0.5, window).float(), want,
                                rtol=tolerance, atol=tolerance)  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_the_tokens_of_a_chunk_attend_causally_as_sdpa_over_the_chunk(window: int) -> None:
+    """A prompt chunk's tokens, each a query of the same row at its own position, after a cached
+    prefix: the same as SDPA of the chunk's queries over prefix + chunk with a causal mask."""
+    torch.manual_seed(3)
+    k, v = cache_slices(4, 3, 40, 64, torch.float32)
+    start, t = 11, 9
+    q = torch.randn(1, 9, t, 64)  # [1, H, T, D]: the chunk as the extend graph holds it
+    key_pos, query_pos = torch.arange(start + t), torch.arange(start, start + t)
+    mask = key_pos[None, :] <= query_pos[:, None]
+    if window:
+        mask &= key_pos[None, :] > query_pos[:, None] - window
+    keys, values = k[2:3, :, : start + t], v[2:3, :, : start + t]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, scale=0.125, enable_gqa=True
+    )  # [1, H, T, D]
+    queries = q[0].transpose(0, 1)[:, :, None]  # [T, H, 1, D]: one query per token
+    got = da.decode_attention(queries, k, v, torch.full((t,), 2), query_pos, 0.125, window)
+    torch.testing.assert_close(got[:, :, 0].transpose(0, 1)[None], want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_row_reads_only_its_own_positions() -> None:
     """Whatever lies past a row's position (padding, another request's stale keys) changes nothing."""
     torch.manual_seed(1)
-    k, v = cache_slices(3, 3, 40, 64, torch.float32)
+    k, v = cache_slices(4, 3, 40, 64, torch.float32)
     q = torch.randn(3, 9, 1, 64)
-    positions = torch.tensor([5, 17, 39])
-    before = da.decode_attention(q, k, v, positions, 0.125, 0)
-    k[0, :, 6:], v[1, :, 18:] = float("nan"), 1e30
-    torch.testing.assert_close(da.decode_attention(q, k, v, positions, 0.125, 0), before, rtol=0, atol=0)
+    rows, positions = torch.tensor([0, 1, 2]), torch.tensor([5, 17, 39])
+    before = da.decode_attention(q, k, v, rows, positions, 0.125, 0)
+    k[0, :, 6:], v[1, :, 18:], k[3], v[3] = float("nan"), 1e30, float("nan"), float("nan")
+    after = da.decode_attention(q, k, v, rows, positions, 0.125, 0)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
-def test_a_position_outside_the_slice_is_refused() -> None:
+def test_a_position_or_row_outside_the_cache_is_refused() -> None:
     k, v = cache_slices(2, 3, 16, 64, torch.float32)
     q = torch.randn(2, 9, 1, 64)
     with pytest.raises(RuntimeError, match=r"position 16 outside 0\.\.15"):
-        da.decode_attention(q, k, v, torch.tensor([3, 16]), 0.125, 0)
+        da.decode_attention(q, k, v, identity(2), torch.tensor([3, 16]), 0.125, 0)
+    with pytest.raises(RuntimeError, match=r"row 2 outside 0\.\.1"):
+        da.decode_attention(q, k, v, torch.tensor([0, 2]), torch.tensor([3, 4]), 0.125, 0)
     with pytest.raises(RuntimeError, match="must all be fp32 or all bf16"):
-        da.decode_attention(q, k.bfloat16(), v.bfloat16(), torch.tensor([3, 4]), 0.125, 0)
+        da.decode_attention(q, k.bfloat16(), v.bfloat16(), identity(2), torch.tensor([3, 4]), 0.125, 0)
 
 
 def test_the_python_kernel_where_the_native_one_is_off() -> None:
@@ -93,12 +124,12 @@ def test_the_python_kernel_where_the_native_one_is_off() -> None:
         "from neuron_lmi.models import decode_attention as da\n"
         "from neuron_lmi.models.llama import grouped_decode_attention\n"
         "assert da.kernel() == 'python'\n"
-        "q, k, v = torch.randn(3, 9, 1, 64), torch.randn(3, 3, 20, 64), torch.randn(3, 3, 20, 64)\n"
-        "pos = torch.tensor([19, 0, 7])\n"
+        "q, k, v = torch.randn(3, 9, 1, 64), torch.randn(4, 3, 20, 64), torch.randn(4, 3, 20, 64)\n"
+        "pos, rows = torch.tensor([19, 0, 7]), torch.tensor([3, 0, 3])\n"
         "key_pos = torch.arange(20)[None, :]\n"
         "mask = (key_pos <= pos[:, None]) & (key_pos > pos[:, None] - 4)\n"
-        "want = grouped_decode_attention(q, k, v, mask[:, None, None, :], 0.125)\n"
-        "got = da.decode_attention(q, k, v, pos, 0.125, 4)\n"
+        "want = grouped_decode_attention(q, k[rows], v[rows], mask[:, None, None, :], 0.125)\n"
+        "got = da.decode_attention(q, k, v, rows, pos, 0.125, 4)\n"
         "torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)\n"
         "print('python kernel ok')\n"
     )

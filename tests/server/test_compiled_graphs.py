@@ -16,7 +16,7 @@ def test_serve_defaults_to_the_compiled_graphs(
     tiny_llama_dir: Path, tmp_path: Path, direct_engine, tiny_server: ServerProcess
 ) -> None:
     # The other tests' server runs with OPTION_ENFORCE_EAGER=true: no compiled graph at all.
-    assert "compiled window-decode" not in tiny_server.log.read_text()
+    assert "compiled step" not in tiny_server.log.read_text()
     assert "compiled extend" not in tiny_server.log.read_text()
     args = ["--max-rolling-batch-size", "8", "--n-positions", "256", "--dtype", "fp32"]
     env = {"OPTION_ENFORCE_EAGER": "false", "NEURON_LMI_CACHE_DIR": str(tmp_path / "cache")}
@@ -34,5 +34,5 @@ def test_serve_defaults_to_the_compiled_graphs(
     finally:
         assert server.stop() == 0
     log = server.log.read_text()
-    assert "compiled window-decode: key=" in log and "compiled extend: key=" in log, log[-3000:]
-    assert list((tmp_path / "cache").rglob("decode.pt2")) and list((tmp_path / "cache").rglob("extend.pt2"))
+    assert "compiled step: key=" in log and "compiled extend: key=" in log, log[-3000:]
+    assert list((tmp_path / "cache").rglob("step.pt2")) and list((tmp_path / "cache").rglob("extend.pt2"))
