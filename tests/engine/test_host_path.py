@@ -125,6 +125,24 @@ def test_step_clock_splits_host_from_model_time() -> None:
     assert snap["host_ms_per_full_step"] == 0  # 3 of 4 rows is not a full batch (90%)
 
 
+class _MixedRunner(_Runner):
+    def extend(self, rows: list[int], chunks: list[list[int]]) -> str:
+        return "logits"
+
+
+def test_a_mixed_steps_decodes_are_its_one_token_chunks() -> None:
+    """A step sent as one ``extend`` (``mixed_steps``) decodes the rows whose chunk is one token:
+    four of them make a full batch, the 30-token prompt chunk beside them does not count."""
+    runner = TimedRunner(_MixedRunner())
+    clock = StepClock(runner, window=2)
+    clock.begin()
+    assert runner.extend([0, 1, 2, 3, 4], [[5], [6], [7], [8], list(range(30))]) == "logits"
+    clock.end()
+    snap = clock.snapshot()
+    assert runner.decoded_rows == 4 and snap["decode_batch"] == 4
+    assert snap["host_ms_per_full_step"] + snap["model_ms_per_full_step"] > 0  # in the full-batch window
+
+
 def test_text_stream_holds_a_possible_stop_and_cuts_a_real_one(tokenizer: Any) -> None:
     ids = tokenizer.encode(" Hello world. Goodbye now.")
     text = TextStream(tokenizer, tokenizer.encode("Say:"), ("Good",))
