@@ -27,6 +27,7 @@ from neuron_lmi.engine.scheduler import (
     PrefillChunk,
     PrefillPolicy,
     Scheduler,
+    SchedulerOutput,
     WholePrompts,
 )
 from neuron_lmi.engine.stops import StopMatcher
@@ -167,8 +168,16 @@ class EngineCore:
         if supports_mixed_steps(self.runner) and not decision.recompute and (spans or decision.decode):
             stepping = [*spans, *decision.decode]
             events += self._forward(stepping, lambda rs: self._mixed(rs, spans), isolate=True)
-            self.steps += 1
-            return events
+        else:
+            events += self._forwards_apart(decision, spans)
+        self.steps += 1
+        return events
+
+    def _forwards_apart(
+        self, decision: SchedulerOutput, spans: dict[Request, PrefillChunk]
+    ) -> list[TokenEvent]:
+        """A step as one forward per kind: fresh prompts, continued chunks, recomputed rows, decodes."""
+        events = []
         fresh = [r for r, c in spans.items() if c.start == 0]
         more = [r for r, c in spans.items() if c.start > 0]
         if fresh:
@@ -182,7 +191,6 @@ class EngineCore:
                 decision.decode,
                 lambda rs: self.runner.decode([r.row for r in rs], [r.last_token for r in rs]),
             )
-        self.steps += 1
         return events
 
     def _place(self, admitted: list[Request], chunks: list[PrefillChunk]) -> list[TokenEvent]:
