@@ -277,18 +277,13 @@ class FrozenPackage:
 
 
 class CompiledDecode(FrozenPackage):
-    """A loaded step package. ``covers``/``covers_chunks`` say whether a decode or a batch of chunks
-    fits it; ``__call__`` runs one step."""
+    """A loaded step package. ``covers_chunks`` says whether a step fits it (a decode is chunks of
+    one token); ``__call__`` runs one step."""
 
     graph = "step"
     package_file = PACKAGE_FILE
     compile_package = staticmethod(compile_decode_package)
     size_limit = staticmethod(token_limit)
-
-    def covers(self, rows: Sequence[int], positions: torch.Tensor) -> bool:
-        """A decode of ``rows`` at ``positions``: within the token limit, and the attention length
-        (the largest position + 1) under ``n_positions``."""
-        return len(rows) <= self.limit and int(positions.max()) + 1 < self.n_positions
 
     def covers_chunks(self, starts: Sequence[int], lengths: Sequence[int]) -> bool:
         """Chunks of ``lengths`` tokens after ``starts`` cached positions (a decode is a chunk of

@@ -143,15 +143,15 @@ class CpuRunner:
             raise ValueError("extend: rows and chunks differ in length")
         if len(set(rows)) != len(rows):
             raise ValueError(f"extend: rows {list(rows)} repeat a row")
-        for row, chunk in zip(rows, chunks, strict=True):
+        starts = self.rows.lengths(rows)
+        for row, chunk, start in zip(rows, chunks, starts, strict=True):
             if not chunk:
                 raise ValueError(f"extend: chunk for row {row} is empty")
-            if self.rows.length(row) + len(chunk) > self.n_positions:
+            if start + len(chunk) > self.n_positions:
                 raise ValueError(
-                    f"extend: row {row} holds {self.rows.length(row)} positions, {len(chunk)} more "
+                    f"extend: row {row} holds {start} positions, {len(chunk)} more "
                     f"exceed n_positions={self.n_positions}"
                 )
-        starts = self.rows.lengths(rows)
         step = self.compiled_decode
         if step is not None and step.covers_chunks(starts, [len(c) for c in chunks]):
             logits = step(rows, chunks, starts, self.cache.k, self.cache.v)
@@ -209,8 +209,9 @@ class CpuRunner:
         positions = self.cache.reserve_next(ordered)
         ordered_tokens = [tokens[i] for i in order]
         compiled = self.compiled_decode
-        if compiled is not None and compiled.covers(ordered, positions):
-            chunks, starts = [[t] for t in ordered_tokens], positions.tolist()
+        starts = positions.tolist()
+        if compiled is not None and compiled.covers_chunks(starts, [1] * len(ordered)):
+            chunks = [[t] for t in ordered_tokens]
             logits = compiled(ordered, chunks, starts, self.cache.k, self.cache.v)
             return in_asked_order(logits, order)
         # Each row's length bucket: the model may group rows by it, so a long row does not make the

@@ -87,7 +87,7 @@ def test_compiled_graphs_equal_eager_token_for_token(
     # position), unless a low pair limit sends long chunks to the extend graph beside the decodes.
     assert extend.steps >= (3 if pair_limit else 1) and forwards_per_step.count(1) > 30
     assert (max(forwards_per_step[1:]) > 1) == bool(pair_limit)
-    assert not package.covers([0], torch.tensor([N_POSITIONS - 1]))  # the full-cache step: eager
+    assert not package.covers_chunks([N_POSITIONS - 1], [1])  # the full-cache step: eager
     assert runner.rows.in_use() == []
 
 
@@ -112,10 +112,9 @@ def test_the_step_graph_takes_what_it_runs_well() -> None:
     ``CHUNK_PAIR_LIMIT`` (past it SDPA in the extend graph does better); never the last position."""
     step = cpu_decode.CompiledDecode.__new__(cpu_decode.CompiledDecode)
     step.limit, step.n_positions = 40, 128
-    at = torch.tensor([10, 11, 12])
-    assert step.covers([3, 9, 20], at) and step.covers([39], torch.tensor([126]))
-    assert not step.covers(list(range(41)), torch.full((41,), 10))  # over the token limit
-    assert not step.covers([0], torch.tensor([127]))  # the full-cache step: eager
+    assert step.covers_chunks([10, 11, 12], [1, 1, 1]) and step.covers_chunks([126], [1])  # decodes
+    assert not step.covers_chunks([10] * 41, [1] * 41)  # over the token limit
+    assert not step.covers_chunks([127], [1])  # the full-cache step: eager
     assert step.covers_chunks([0, 50, 7], [30, 1, 1]) and not step.covers_chunks([0, 0], [30, 11])
     assert not step.covers_chunks([120, 5], [8, 2]) and step.covers_chunks([119, 5], [8, 2])  # 128 > 127
     wide = cpu_decode.CompiledDecode.__new__(cpu_decode.CompiledDecode)
