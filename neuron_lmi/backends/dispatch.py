@@ -17,7 +17,10 @@ hand-made probes; only ``probe_host`` looks at the real machine, and it never ra
                otherwise                       -> cpu
     neuron     Neuron devices; option.model_loader picks the library: nxdi | tnx | vllm
                (vllm -> vllm-neuron); unset -> NxD Inference when it imports, else
-               transformers-neuronx; neither -> BackendUnavailableError naming both packages
+               transformers-neuronx; neither -> BackendUnavailableError naming both packages;
+               NxD Inference 0.9+ on inf2/trn1 -> refused, naming SDK 2.28 (nxdi.support)
+               no devices, override_neuron_config.on_cpu -> neuron-nxdi on the CPU (NxD
+               Inference's own modeling code, a configuration check)
     vllm       Neuron devices -> vllm-neuron (never the CUDA path); else CUDA or vLLM's CPU build
     cpu        cpu
 
@@ -118,6 +121,7 @@ def _neuron_choice(probe: BackendProbe, model_loader: str | None, why: str) -> B
     if model_loader == "vllm":
         return _vllm_neuron_choice(probe, f"{why}, option.model_loader=vllm")
     if model_loader == "nxdi" or (model_loader is None and probe.nxdi_version):
+        _check_nxdi_release(probe)
         if not probe.nxdi_version:
             raise BackendUnavailableError(
                 f"backend 'neuron-nxdi' (option.model_loader=nxdi) cannot run here: {NXDI.distribution} "
@@ -146,6 +150,32 @@ def _neuron_choice(probe: BackendProbe, model_loader: str | None, why: str) -> B
     )
 
 
+def _check_nxdi_release(probe: BackendProbe) -> None:
+    from neuron_lmi.backends.nxdi.support import UnsupportedReleaseError, check_release
+
+    try:
+        check_release(probe.nxdi_version, probe.neuron_platform)
+    except UnsupportedReleaseError as exc:
+        raise BackendUnavailableError(f"backend 'neuron-nxdi' cannot run here: {exc}") from exc
+
+
+def _nxdi_on_cpu_choice(probe: BackendProbe, why: str) -> BackendChoice:
+    """NxD Inference's modeling code on the CPU (``NeuronConfig(on_cpu=True)``, ``to_cpu()``)."""
+    if not probe.nxdi_version:
+        raise BackendUnavailableError(
+            f"backend 'neuron-nxdi' on the CPU (override_neuron_config.on_cpu) needs {NXDI.distribution} "
+            f"and its Neuron packages installed (pip install --extra-index-url {NEURON_PIP_REPOSITORY} "
+            f"{NXDI.distribution}); it does not import; host: {probe.describe()}"
+        )
+    _check_nxdi_release(probe)
+    reason = (
+        f"{why}, override_neuron_config.on_cpu=true: NxD Inference's modeling code on the CPU, no "
+        f"Neuron devices used (a check of the configuration, not a server for traffic); host: "
+        f"{probe.describe()}"
+    )
+    return BackendChoice("neuron-nxdi", reason, NXDI.distribution, probe.nxdi_version)
+
+
 def _vllm_neuron_choice(probe: BackendProbe, why: str) -> BackendChoice:
     missing = []
     if not probe.vllm_importable:
@@ -172,9 +202,12 @@ def _vllm_missing(probe: BackendProbe) -> list[str]:
     return [f"no CUDA device, and this vLLM build targets {probe.vllm_platform or 'an unknown platform'}"]
 
 
-def choose_backend(requested: str, probe: BackendProbe, model_loader: str | None = None) -> BackendChoice:
+def choose_backend(
+    requested: str, probe: BackendProbe, model_loader: str | None = None, nxdi_on_cpu: bool = False
+) -> BackendChoice:
     """The backend for ``requested`` (auto|cpu|neuron|vllm) and LMI's ``option.model_loader``
-    (nxdi|tnx|vllm|None) on a host described by ``probe``. Raises ``BackendUnavailableError``."""
+    (nxdi|tnx|vllm|None) on a host described by ``probe``; ``nxdi_on_cpu`` is
+    ``override_neuron_config.on_cpu``. Raises ``BackendUnavailableError``."""
     req = (requested or "auto").strip().lower()
     if req not in REQUESTS:
         raise ValueError(f"backend must be one of {', '.join(REQUESTS)}, got {requested!r}")
@@ -197,6 +230,10 @@ def choose_backend(requested: str, probe: BackendProbe, model_loader: str | None
         if missing:
             raise BackendUnavailableError(f"backend 'vllm' cannot run here: {'; '.join(missing)}")
         return BackendChoice("vllm", f"forced by request; host: {found}", "vllm")
+    on_cpu = nxdi_on_cpu and not probe.neuron_devices_present and loader in (None, "nxdi")
+    if on_cpu and (req == "neuron" or (req == "auto" and loader == "nxdi")):
+        why = "forced neuron" if req == "neuron" else "option.model_loader=nxdi"
+        return _nxdi_on_cpu_choice(probe, f"{why} without Neuron devices")
     if req == "neuron":
         if not probe.neuron_devices_present:
             raise BackendUnavailableError(

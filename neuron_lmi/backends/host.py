@@ -54,6 +54,7 @@ class BackendProbe:
     cuda_devices: int = 0
     vllm_importable: bool = False
     vllm_platform: str | None = None
+    neuron_platform: str | None = None  # inf2 | trn1 | trn2 | ... (nxdi.support.host_platform)
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -171,8 +172,10 @@ def _library_version(library: Library) -> str | None:
     """The installed version when ``library`` imports, else None (an import error propagates)."""
     if importlib.util.find_spec(library.module) is None:
         return None
-    importlib.import_module(library.module)
-    return installed_version(library.distribution) or "unknown version"
+    module = importlib.import_module(library.module)
+    # A source tree on sys.path has no distribution metadata; its own __version__ still tells.
+    version = installed_version(library.distribution) or getattr(module, "__version__", None)
+    return version or "unknown version"
 
 
 def _cores_per_device(sysfs_root: str) -> int:
@@ -214,8 +217,12 @@ def probe_host(
     env: Mapping[str, str] | None = None,
     nvidia_glob: str = "/dev/nvidia[0-9]*",
     sysfs_root: str = "/sys/devices/virtual/neuron_device",
+    nxdi_on_cpu: bool = False,
 ) -> BackendProbe:
-    """Look at this host. Neuron libraries are imported only where Neuron devices are present."""
+    """Look at this host. Neuron libraries are imported only where Neuron devices are present, or
+    NxD Inference alone where its CPU mode is asked for (``nxdi_on_cpu``)."""
+    from neuron_lmi.backends.nxdi.support import host_platform
+
     env = os.environ if env is None else env
     req = (requested or "auto").strip().lower()
     notes: list[str] = []
@@ -223,7 +230,8 @@ def probe_host(
     cores, versions = 2, {NXDI: None, TNX: None, VLLM_NEURON: None}
     if devices:
         cores = _safe(lambda: _cores_per_device(sysfs_root), 2, notes, "NeuronCores per device")
-        for lib in versions:
+    for lib in versions:
+        if devices or (nxdi_on_cpu and lib is NXDI):
             versions[lib] = _safe(lambda lib=lib: _library_version(lib), None, notes, lib.distribution)
     gpus, how = _safe(lambda: cuda_device_count(env, nvidia_glob), (0, "failed"), notes, "CUDA")
     if gpus:
@@ -243,6 +251,7 @@ def probe_host(
         cuda_devices=gpus,
         vllm_importable=vllm_ok,
         vllm_platform=platform,
+        neuron_platform=_safe(lambda: host_platform(env), None, notes, "instance type"),
         notes=tuple(notes),
     )
     log.debug("host probe: %s", probe.describe())

@@ -11,7 +11,7 @@ gather), and the logits are mapped back to the order asked.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,22 +52,37 @@ class TokenBatch:
         return in_asked_order(logits, self.order)[: self.asked]
 
 
+# A live row that is not asked to step: the (token, position) it writes this call, or None to leave
+# it out of the call (the library then fills its line with a copy of another).
+RiderWrite = Callable[[int], "tuple[int, int] | None"]
+
+
 def token_batch(
-    table: RowTable, rows: list[int], tokens: list[int], n_positions: int, min_rider_length: int = 0
+    table: RowTable,
+    rows: list[int],
+    tokens: list[int],
+    n_positions: int,
+    min_rider_length: int = 0,
+    rider: RiderWrite | None = None,
 ) -> TokenBatch:
     """Reserve the next position of each of ``rows`` and lay out the call with every other live row
-    of at least ``min_rider_length`` positions riding along (NxD Inference needs 1: a line at
-    position 0 would turn the call into a context encoding)."""
+    riding along. By default a rider feeds ``PAD_TOKEN_ID`` at its next, unwritten position when it
+    holds at least ``min_rider_length`` positions (NxD Inference needs 1: a line at position 0 would
+    turn the call into a context encoding); ``rider`` replaces that rule."""
     if len(rows) != len(tokens):
         raise ValueError("decode: rows and tokens differ in length")
     positions = table.reserve_next(rows)
     asked = set(rows)
-    riders = [
-        r for r in table.in_use() if r not in asked and min_rider_length <= table.length(r) < n_positions
-    ]
-    seq_ids = rows + riders
-    all_tokens = tokens + [PAD_TOKEN_ID] * len(riders)
-    all_positions = positions + [table.length(r) for r in riders]
+
+    def next_position(row: int) -> tuple[int, int] | None:
+        length = table.length(row)
+        return (PAD_TOKEN_ID, length) if min_rider_length <= length < n_positions else None
+
+    writes = [(r, (rider or next_position)(r)) for r in table.in_use() if r not in asked]
+    riders = [(r, w) for r, w in writes if w is not None]
+    seq_ids = rows + [r for r, _ in riders]
+    all_tokens = tokens + [w[0] for _, w in riders]
+    all_positions = positions + [w[1] for _, w in riders]
     order = ascending(seq_ids)
 
     def laid_out(values: list[int]) -> torch.Tensor:

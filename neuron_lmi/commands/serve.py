@@ -147,8 +147,9 @@ def build_engine(resolved: ResolvedConfig, env: Mapping[str, str] | None = None)
     env = os.environ if env is None else env
     cfg = resolved.config
     requested = _requested_backend(resolved)
-    probe = probe_host(requested, env=env)
-    choice = choose_backend(requested, probe, cfg.neuron.model_loader)
+    on_cpu = (cfg.neuron.override_neuron_config or {}).get("on_cpu") is True
+    probe = probe_host(requested, env=env, nxdi_on_cpu=on_cpu)
+    choice = choose_backend(requested, probe, cfg.neuron.model_loader, nxdi_on_cpu=on_cpu)
     tp, how = resolve_tp_degree(
         cfg.parallel.tensor_parallel_degree, choice.name, probe, env, cfg.neuron.logical_nc_config
     )

@@ -40,7 +40,7 @@ from neuron_lmi.engine.types import (
     TokenEvent,
     TopToken,
 )
-from neuron_lmi.runners.base import ModelRunner, supports_extend, supports_mixed_steps
+from neuron_lmi.runners.base import ModelRunner, runner_needs, supports_extend, supports_mixed_steps
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class EngineCore:
         prefix_reuse: bool = True,
     ) -> None:
         self.runner = runner
+        self.needs = runner_needs(runner)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", []) or [])
@@ -176,22 +177,28 @@ class EngineCore:
     def _forwards_apart(
         self, decision: SchedulerOutput, spans: dict[Request, PrefillChunk]
     ) -> list[TokenEvent]:
-        """A step as one forward per kind: fresh prompts, continued chunks, recomputed rows, decodes."""
+        """A step as one forward per kind: fresh prompts, continued chunks, recomputed rows, decodes
+        (decodes first where every live row must step together: see ``RunnerNeeds``)."""
         events = []
         fresh = [r for r, c in spans.items() if c.start == 0]
         more = [r for r, c in spans.items() if c.start > 0]
+        decode_first = self.needs.live_rows_step_together
+        if decode_first and decision.decode:
+            events += self._decode(decision.decode)
         if fresh:
             events += self._forward(fresh, lambda rs: self._prefill_chunks(rs, spans), isolate=True)
         if more:
             events += self._forward(more, lambda rs: self._extend_chunks(rs, spans), isolate=True)
         if decision.recompute:
             events += self._forward(decision.recompute, lambda rs: self._prefill(rs, full=True), isolate=True)
-        if decision.decode:
-            events += self._forward(
-                decision.decode,
-                lambda rs: self.runner.decode([r.row for r in rs], [r.last_token for r in rs]),
-            )
+        if decision.decode and not decode_first:
+            events += self._decode(decision.decode)
         return events
+
+    def _decode(self, requests: list[Request]) -> list[TokenEvent]:
+        return self._forward(
+            requests, lambda rs: self.runner.decode([r.row for r in rs], [r.last_token for r in rs])
+        )
 
     def _place(self, admitted: list[Request], chunks: list[PrefillChunk]) -> list[TokenEvent]:
         """Give each admitted request a row: a retained source row is claimed whole (first, so no

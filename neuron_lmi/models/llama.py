@@ -263,6 +263,19 @@ class LlamaForCausalLM(nn.Module):
         return self._encode(tokens, cos, sin, mask, last)
 
     @torch.inference_mode()
+    def prefill_at(
+        self, tokens: torch.Tensor, positions: torch.Tensor, last: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Encode one row ``tokens`` [1, T] whose rotary positions are ``positions`` [T] while attention
+        stays causal by index, and return the logits of index ``last`` with the keys/values of every
+        index: a compiled graph's right-padded context encoding, whose padding carries made-up
+        positions (NxD Inference's contract model reproduces what such padding writes)."""
+        index = torch.arange(tokens.shape[1])
+        cos, sin = self.rotary.lookup(positions[None, :])
+        mask = self.window_mask(index[:, None], index[None, :])
+        return self._encode(tokens, cos, sin, mask, (torch.tensor([0]), torch.tensor([last])))
+
+    @torch.inference_mode()
     def prefill_packed(
         self,
         tokens: torch.Tensor,

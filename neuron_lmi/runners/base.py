@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -47,6 +48,32 @@ class ExtendingRunner(ModelRunner, Protocol):
     def extend(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor: ...
 
     def copy(self, src: int, dst: int, n: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerNeeds:
+    """What a runner asks of the engine's step, read once when the engine is built.
+
+    ``live_rows_step_together``: every row that holds a sequence must be in each ``decode`` call.
+    A compiled continuous-batching graph (NxD Inference) writes a K/V entry for every line of its
+    batch; a row left out is either filled in with another line's token or rides along, and in a
+    sliding-window ring cache any such write evicts a key the row still needs. The engine then
+    decodes before it prefills the step's new prompts, so a row being prefilled is never live
+    during a decode and every running request steps in it.
+    """
+
+    live_rows_step_together: bool = False
+
+
+DEFAULT_NEEDS = RunnerNeeds()
+
+
+def runner_needs(runner: ModelRunner) -> RunnerNeeds:
+    """``runner.needs`` where the runner declares it, else nothing special."""
+    needs = getattr(runner, "needs", DEFAULT_NEEDS)
+    if not isinstance(needs, RunnerNeeds):
+        raise TypeError(f"{type(runner).__name__}.needs must be a RunnerNeeds, got {needs!r}")
+    return needs
 
 
 def supports_extend(runner: ModelRunner) -> bool:

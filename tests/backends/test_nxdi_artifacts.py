@@ -77,7 +77,14 @@ def library(monkeypatch: pytest.MonkeyPatch) -> type[Recorder]:
     modules["neuronx_distributed_inference.models.config"].NeuronConfig = NeuronConfig
     llama = modules["neuronx_distributed_inference.models.llama.modeling_llama"]
     llama.LlamaInferenceConfig, llama.NeuronLlamaForCausalLM = LlamaInferenceConfig, NeuronLlamaForCausalLM
-    modules["neuronx_distributed_inference.utils.hf_adapter"].load_pretrained_config = lambda p: ("hf", p)
+    def load_pretrained_config(path: str) -> Any:
+        def load(config: Any) -> None:  # what the library's loader does: config.json onto the config
+            config.loaded_from = ("hf", path)
+            config.__dict__.update({k: v for k, v in CONFIG.items() if k != "head_dim"}, head_dim=None)
+
+        return load
+
+    modules["neuronx_distributed_inference.utils.hf_adapter"].load_pretrained_config = load_pretrained_config
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     return Recorder
@@ -104,7 +111,10 @@ def test_a_miss_compiles_once_and_serves_that_model(
     entry = cache.lookup(nxdi_key_inputs(plan, CONFIG, compiler_version="2.21.0"))
     assert entry is not None and library.loaded == [str(entry.path)]
     assert app.config.neuron_config.kwargs["torch_dtype"] is torch.bfloat16
-    assert app.config.loaded_from == ("hf", plan.model_path)
+    loaded = types.SimpleNamespace()
+    app.config.loaded_from(loaded)  # the library's loader, then head_dim derived where it is None
+    assert loaded.loaded_from == ("hf", plan.model_path)
+    assert loaded.head_dim == CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
 
     again = load_or_compile(plan, CONFIG, cache, compiler_version="2.21.0")  # a hit: no compile
     assert len(library.compiled) == 1 and again is library.built[1]

@@ -85,7 +85,7 @@ def _properties(tmp_path: Path, model: Path, **options: str) -> Path:
 def _build(monkeypatch, probe: BackendProbe, props: Path, env: dict[str, str] | None = None) -> Any:
     from neuron_lmi.commands.serve import build_engine
 
-    monkeypatch.setattr(dispatch, "probe_host", lambda requested, env=None: probe)
+    monkeypatch.setattr(dispatch, "probe_host", lambda requested, env=None, **_: probe)
     return build_engine(load_config(properties_path=props, env={}), env or {})
 
 
@@ -154,7 +154,7 @@ def test_neuron_builders_wrap_the_runner_in_the_rolling_batch_engine(
     model = build_model(ckpt.config, ckpt.state_dict, n_positions=N_POSITIONS)
     calls: list[tuple[Any, ...]] = []
 
-    def fake_runner(config, model_path, cache, tp_degree=None):
+    def fake_runner(config, model_path, cache, tp_degree=None, **_):
         calls.append((config, model_path, cache, tp_degree))
         contract = ContractModel(model, N_ROWS, N_POSITIONS)
         return NeuronRunner(contract, N_ROWS, N_POSITIONS, model.args.vocab_size, contract.context_buckets)

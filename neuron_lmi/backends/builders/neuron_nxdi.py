@@ -1,6 +1,7 @@
 """Backend ``neuron-nxdi``: NxD Inference behind our rolling-batch engine. Artifacts come from
 ``option.compiled_graph_path`` when it is an artifact directory (``neuron_config.json`` +
-``model.pt``), else from the compile cache, compiled into it once on a miss."""
+``model.pt``), else from the compile cache, compiled into it once on a miss. With
+``override_neuron_config.on_cpu`` the library's modeling code runs on the CPU and nothing is cached."""
 
 from __future__ import annotations
 
@@ -17,15 +18,28 @@ from neuron_lmi.backends.builders.common import (
 
 
 def build_nxdi_engine(request: registry.BuildRequest) -> Any:
+    from neuron_lmi.backends.host import NXDI, installed_version
     from neuron_lmi.backends.nxdi.artifacts import is_artifact_dir
     from neuron_lmi.backends.nxdi.runner import build_nxdi_runner
+    from neuron_lmi.backends.nxdi.support import host_platform
 
     path = fetch(request.resolved, request.env)
     resolved = with_model_defaults(request.resolved, path)
-    given = resolved.config.neuron.compiled_graph_path
-    # An artifact directory is loaded as it is: no store is opened over it.
-    cache = None if given and is_artifact_dir(Path(given)) else neuron_compile_cache(resolved)
-    runner = build_nxdi_runner(resolved.config, str(path), cache, tp_degree=request.tp_degree)
+    neuron = resolved.config.neuron
+    given = neuron.compiled_graph_path
+    on_cpu = (neuron.override_neuron_config or {}).get("on_cpu") is True
+    # An artifact directory is loaded as it is, and the CPU mode compiles nothing: no store is opened.
+    cache = None if on_cpu or (given and is_artifact_dir(Path(given))) else neuron_compile_cache(resolved)
+    choice = request.choice
+    version = (choice.version if choice else None) or installed_version(NXDI.distribution)
+    runner = build_nxdi_runner(
+        resolved.config,
+        str(path),
+        cache,
+        tp_degree=request.tp_degree,
+        library_version=version if version != "unknown version" else None,
+        platform=host_platform(request.env),
+    )
     return rolling_batch_engine(runner, path, resolved, "neuron-nxdi")
 
 

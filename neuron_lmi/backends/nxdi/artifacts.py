@@ -91,8 +91,17 @@ def new_application(plan: NxdiPlan, quantized_dir: Path | None = None) -> Any:
     if isinstance(sampling, dict):
         kwargs["on_device_sampling_config"] = config_module.OnDeviceSamplingConfig(**sampling)
     neuron_config = getattr(config_module, plan.application.neuron_config_cls)(**kwargs)
+    load_hf_config = load_pretrained_config(plan.model_path)
+
+    def load_config(config: Any) -> None:
+        load_hf_config(config)
+        # transformers keeps a Mistral's head_dim None when config.json has none (the model derives
+        # it); NxD Inference reads getattr(config, "head_dim", default) and would get None.
+        if getattr(config, "head_dim", None) is None:
+            config.head_dim = config.hidden_size // config.num_attention_heads
+
     inference_config = getattr(app_module, plan.application.inference_config)(
-        neuron_config, load_config=load_pretrained_config(plan.model_path)
+        neuron_config, load_config=load_config
     )
     return getattr(app_module, plan.application.application)(plan.model_path, inference_config)
 

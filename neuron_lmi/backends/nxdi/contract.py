@@ -8,13 +8,25 @@ here against the contract it drives on a device:
 
 * context encoding when ``position_ids.min() == 0``: prompts run one at a time (``ctx_batch_size=1``);
   each is padded right to the smallest context bucket longer than it (or the largest, when it fills
-  it; longer is an error, as without ``allow_input_truncation``), its whole bucket is written into
-  cache row ``seq_ids[j]`` and the logits of its last real token come back;
+  it; longer is an error, as without ``allow_input_truncation``) with position_ids 1
+  (``model_wrapper.pad_inputs``), its whole bucket is written into cache row ``seq_ids[j]``, and the
+  logits come back of the token at ``argmax(position_ids)`` (``model_base.py``, first index on ties):
+  the last real token from three tokens on, a padding token for a prompt of one token;
 * token generation otherwise: a partial batch is completed with copies of its *first* line for the
   missing seq_ids, sorted by seq_id, and mapped back; a full batch is run as given; either way line
   *i* of what runs writes cache row *i* at ``position_ids[i]`` — so a full batch out of seq_id order
-  corrupts rows, exactly as on the device;
+  corrupts rows, exactly as on the device; a partial batch's logits come back in the order asked, a
+  full batch's line by line;
+* a sliding window W (an application that honours it: Mistral on 0.9; ``ignores_sliding_window``
+  for Mixtral, and for a Mistral on 0.8's Llama) is a ring of W-1 live slots per row, position p
+  written into slot ``p % (W-1)`` after attention (``kv_cache_manager.py``), and a context encoding
+  keeps only the W-1 indices ending at its last position (``get_last_kv_window``): here the cache is
+  the ring unrolled, every position ``q`` holding what slot ``q % (W-1)`` holds, so a write at p lands
+  on every such q and a query's window reads exactly the ring's slots;
 * returns an object whose ``logits`` is float32 ``[n, 1, vocab]``.
+
+Every one of these was checked against the library's own code on the CPU, call by call
+(``tests/backends/nxdi_library/test_contract_agreement.py``).
 
 Anything the library would reject (a position past ``seq_len``, a seq_id out of range, a mask that is
 not right padding) raises ``ValueError`` here. ``calls`` records each call's kind and shape.
@@ -23,6 +35,8 @@ not right padding) raises ``ValueError`` here. ``calls`` records each call's kin
 from __future__ import annotations
 
 import bisect
+import copy
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,10 +67,18 @@ class NxdiContractModel:
         batch_size: int,
         seq_len: int,
         context_length_estimate: Sequence[int] | None = None,
+        ignores_sliding_window: bool = False,
+        pad_token_id: int = 0,
     ) -> None:
         if seq_len > model.n_positions:
             raise ValueError(f"seq_len={seq_len} exceeds the model's rotary table ({model.n_positions})")
+        if ignores_sliding_window and model.args.sliding_window is not None:
+            model = copy.copy(model)  # the same weights, attending to the whole sequence
+            model.args = dataclasses.replace(model.args, sliding_window=None)
+        window = model.args.sliding_window
+        self.ring = window - 1 if window is not None and window < seq_len else None
         self.model = model
+        self.pad_token_id = pad_token_id  # config.pad_token_id; the library pads with 0 without one
         self.batch_size = batch_size
         self.seq_len = seq_len
         estimate = tuple(context_length_estimate) if context_length_estimate else None
@@ -107,11 +129,20 @@ class NxdiContractModel:
                 raise ValueError(f"attention_mask row {j} is not right padding: {mask[j].tolist()}")
             if not torch.equal(positions[j, :length], torch.arange(length)):
                 raise ValueError(f"position_ids row {j} must start 0..{length - 1}")
-            bucket = self._context_bucket(length)
-            tokens = torch.zeros(1, bucket, dtype=torch.long)
-            tokens[0, :length] = input_ids[j, :length]
-            logits, keys, values = self.model.prefill(tokens, [length])
-            self.cache.insert(int(seq[j]), keys[:, 0], values[:, 0])  # the whole bucket, padding included
+            bucket = self._context_bucket(t)
+            padded = torch.ones(bucket, dtype=torch.long)  # the library pads position_ids with 1
+            padded[:t] = positions[j]
+            last = int(torch.max(padded, dim=0).indices)  # first index on ties, as torch.max on the CPU
+            tokens = torch.full((1, bucket), self.pad_token_id, dtype=torch.long)
+            tokens[0, :t] = input_ids[j]
+            logits, keys, values = self.model.prefill_at(tokens, padded, last)
+            keys, values = keys[:, 0], values[:, 0]
+            if self.ring is not None:  # the ring unrolled: the W-1 indices ending at the last position
+                end = max(int(padded.max()) + 1, self.ring)
+                start = end - self.ring
+                index = start + (torch.arange(self.seq_len) - start) % self.ring
+                keys, values = keys[:, :, index], values[:, :, index]
+            self.cache.insert(int(seq[j]), keys, values)  # the whole bucket, padding included
             out[j, 0] = logits[0].float()
         return out
 
@@ -142,7 +173,12 @@ class NxdiContractModel:
             ids, pos = ids[order], pos[order]
         attn_len = self.token_buckets[bisect.bisect_left(self.token_buckets, int(pos.max()) + 1)]
         # Line i writes cache row i (kv_cache_manager under continuous batching token generation).
-        logits = self.model.decode(
-            ids, torch.arange(self.batch_size), pos, self.cache.k, self.cache.v, attn_len
-        )
-        return logits.float()[seq][:, None, :]
+        rows = torch.arange(self.batch_size)
+        logits = self.model.decode(ids, rows, pos, self.cache.k, self.cache.v, attn_len)
+        if self.ring is not None:  # slot p % (W-1) is every position q of that residue
+            for line, p in enumerate(pos.tolist()):
+                same_slot = torch.arange(p % self.ring, self.seq_len, self.ring)
+                for cache in (self.cache.k, self.cache.v):
+                    cache[:, line, :, same_slot] = cache[:, line, :, p : p + 1]
+        # A partial batch's outputs are gathered back by seq_id; a full batch's come back line by line.
+        return (logits.float() if n == self.batch_size else logits.float()[seq])[:, None, :]

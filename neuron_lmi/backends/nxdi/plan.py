@@ -7,9 +7,13 @@
         .neuron_config      the exact keyword arguments (JSON; ``torch_dtype`` by name, see ``kwargs()``)
         .ignored            LMI keys NxD Inference does not take, each with the reason
 
-The table (our field -> NeuronConfig keyword), written against aws-neuron/neuronx-distributed-inference
-``src/neuronx_distributed_inference/models/config.py`` at 4bcdc54 (``__version__`` 0.9.0, Neuron SDK
-2.27/2.28 era) and vllm-project/vllm-neuron 0.2.0's ``neuronx_distributed_model_loader.py``::
+The table (our field -> NeuronConfig keyword) holds for aws-neuron/neuronx-distributed-inference 0.8.0
+(cd3abf3, Neuron SDK 2.28, the last release for inf2/trn1) and 0.9.0 (4bcdc54, SDK 2.29, Trn2+):
+``models/config.py`` takes the same keywords in both (0.9 adds ``enable_ve_data_parallel``). Where the
+releases differ, the version decides: 0.8 has no Mistral application, so a Mistral runs on NxD
+Inference's Llama (which reads ``sliding_window`` as its Mistral does); its Mixtral has no sliding
+window in either release. Checked against the library itself on the CPU
+(``tests/backends/nxdi_library``)::
 
     tensor_parallel_degree        tp_degree
     max_rolling_batch_size        batch_size, max_batch_size, tkg_batch_size (and ctx_batch_size=1)
@@ -26,6 +30,8 @@ The table (our field -> NeuronConfig keyword), written against aws-neuron/neuron
     on_device_sampling            on_device_sampling_config (greedy on device), else logits to the host
     override_neuron_config        merged last, every key kept; keys NeuronConfig does not know are
                                   reported (NxD only logs "Unexpected keyword arguments" and goes on)
+    override on_cpu=true          NxD Inference's modeling code on the CPU (``to_cpu``): one rank, one
+                                  bucket (n_positions), no fp16, no compile-cache entry
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from compile_cache.key import token_generation_buckets
+from neuron_lmi.backends.nxdi.support import ENDS_AT_0_8, V2_PLATFORMS, check_release, release
 
 if TYPE_CHECKING:
     from neuron_lmi.config.options import ServingConfig
@@ -63,29 +70,34 @@ class Application:
         return f"{self.module}.{name}"
 
 
-# config.json model_type -> application (NxD Inference's utils/constants.py MODEL_TYPES); a table.
-APPLICATIONS: Mapping[str, Application] = MappingProxyType(
-    {
-        "llama": Application(
-            f"{LIBRARY_MODULE}.models.llama.modeling_llama",
-            "NeuronLlamaForCausalLM",
-            "LlamaInferenceConfig",
-            "NeuronConfig",
-        ),
-        "mistral": Application(
-            f"{LIBRARY_MODULE}.models.mistral.modeling_mistral",
-            "NeuronMistralForCausalLM",
-            "MistralInferenceConfig",
-            "NeuronConfig",
-        ),
-        "mixtral": Application(
-            f"{LIBRARY_MODULE}.models.mixtral.modeling_mixtral",
-            "NeuronMixtralForCausalLM",
-            "MixtralInferenceConfig",
-            "MoENeuronConfig",
-        ),
-    }
+LLAMA = Application(
+    f"{LIBRARY_MODULE}.models.llama.modeling_llama",
+    "NeuronLlamaForCausalLM",
+    "LlamaInferenceConfig",
+    "NeuronConfig",
 )
+MISTRAL = Application(
+    f"{LIBRARY_MODULE}.models.mistral.modeling_mistral",
+    "NeuronMistralForCausalLM",
+    "MistralInferenceConfig",
+    "NeuronConfig",
+)
+MIXTRAL = Application(
+    f"{LIBRARY_MODULE}.models.mixtral.modeling_mixtral",
+    "NeuronMixtralForCausalLM",
+    "MixtralInferenceConfig",
+    "MoENeuronConfig",
+)
+# config.json model_type -> application (NxD Inference's utils/constants.py MODEL_TYPES), per release:
+# 0.8 has no models/mistral, so a Mistral runs on the Llama application (same weights and layers).
+APPLICATIONS: Mapping[str, Application] = MappingProxyType(
+    {"llama": LLAMA, "mistral": MISTRAL, "mixtral": MIXTRAL}
+)
+APPLICATIONS_0_8: Mapping[str, Application] = MappingProxyType({**APPLICATIONS, "mistral": LLAMA})
+# Applications whose attention reads config.sliding_window (a ring cache of that many slots).
+WINDOWED_APPLICATIONS = frozenset({LLAMA.application, MISTRAL.application})
+DEFAULT_VERSION = {"v2": "0.8.0", "other": "0.9.0"}  # assumed where the library is not installed
+
 
 # NeuronConfig / MoENeuronConfig / OnDeviceSamplingConfig keyword arguments read by ``kwargs.pop`` in
 # models/config.py at 4bcdc54. Anything else in override_neuron_config is silently dropped by the
@@ -129,6 +141,8 @@ NEURON_CONFIG_FIELDS = frozenset(
     return_router_logits hybrid_sharding_config moe_tp_degree moe_ep_degree
     transpose_shared_experts_weights blockwise_matmul_config router_config""".split()  # noqa: SIM905
 )
+# 0.8.0 (cd3abf3) takes the same keywords but one.
+NEURON_CONFIG_FIELDS_0_8 = NEURON_CONFIG_FIELDS - {"enable_ve_data_parallel"}
 # Keys that say where files go, not what is compiled: kept out of the cache key.
 LOCATION_FIELDS = frozenset({"quantized_checkpoints_path"})
 # LMI keys the NxD Inference backend does not take, and why (reported once at start-up).
@@ -175,6 +189,10 @@ class NxdiPlan:
     token_buckets: tuple[int, ...]
     on_device_sampling: bool = False
     ignored: dict[str, str] = field(default_factory=dict)
+    library_version: str = DEFAULT_VERSION["other"]
+    version_source: str = "assumed"
+    on_cpu: bool = False
+    sliding_window: int | None = None  # the ring the application keeps, when it keeps one
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments exactly as passed: ``torch_dtype`` as the torch dtype object."""
@@ -200,6 +218,9 @@ class NxdiPlan:
         shown["torch_dtype"] = f"torch.{shown['torch_dtype']}"
         return {
             "library": LIBRARY,
+            "library_version": self.library_version,
+            "library_version_source": self.version_source,
+            "on_cpu": self.on_cpu,
             "application_class": self.application.path(self.application.application),
             "inference_config_class": self.application.path(self.application.inference_config),
             "inference_config_load_config": (
@@ -254,7 +275,7 @@ def _quantization(quantize: str | None) -> dict[str, Any]:
     }
 
 
-def _ignored(config: ServingConfig) -> dict[str, str]:
+def _ignored(config: ServingConfig, fields: frozenset[str], version: str) -> dict[str, str]:
     values = {
         "group_query_attention": config.parallel.group_query_attention,
         "neuron_optimize_level": config.neuron.neuron_optimize_level,
@@ -263,11 +284,50 @@ def _ignored(config: ServingConfig) -> dict[str, str]:
         "batch_size": config.batching.batch_size,
     }
     out = {f"option.{k}": NOT_TAKEN[k] for k, v in values.items() if v != _NOT_TAKEN_DEFAULTS[k]}
-    for key in sorted(set(config.neuron.override_neuron_config or {}) - NEURON_CONFIG_FIELDS):
+    for key in sorted(set(config.neuron.override_neuron_config or {}) - fields):
         out[f"override_neuron_config.{key}"] = (
-            "not a NeuronConfig field in NxD Inference 0.9 (the library would drop it silently)"
+            f"not a NeuronConfig field in NxD Inference {version} (the library would drop it silently)"
         )
     return out
+
+
+def library_release(version: str | None, platform: str | None, model_type: str) -> tuple[str, str]:
+    """The release the mapping is for and how it was found: the installed one, else the one that
+    serves this model on this platform (0.8 on inf2/trn1 and for Mixtral, 0.9 elsewhere)."""
+    if version:
+        return version, "installed"
+    family = (platform or "").rstrip("n")
+    if family in V2_PLATFORMS:
+        return DEFAULT_VERSION["v2"], f"assumed: not installed, the release for {platform}"
+    if model_type in ENDS_AT_0_8:
+        return DEFAULT_VERSION["v2"], f"assumed: not installed, the last release with {model_type}"
+    where = f"for {platform}" if platform else "platform unknown"
+    return DEFAULT_VERSION["other"], f"assumed: not installed, {where}"
+
+
+def _window(application: Application, model_config: Mapping[str, Any], n_positions: int) -> int | None:
+    window = model_config.get("sliding_window")
+    if not isinstance(window, int) or window <= 0 or window >= n_positions:
+        return None
+    return window
+
+
+def _on_cpu(kwargs: dict[str, Any], dtype: str) -> None:
+    """``to_cpu`` runs one process per rank under torchrun, fp32 only with tp > 1, never fp16
+    (application_base.py ``to_cpu``); the server runs one process, so tp must be 1."""
+    if kwargs["tp_degree"] != 1:
+        raise ValueError(
+            f"override_neuron_config.on_cpu=true runs NxD Inference in this one process: "
+            f"option.tensor_parallel_degree={kwargs['tp_degree']} needs torchrun with one process per "
+            "rank; set option.tensor_parallel_degree=1"
+        )
+    if dtype == "fp16":
+        raise ValueError(
+            "override_neuron_config.on_cpu=true: NxD Inference refuses option.dtype=fp16 on the CPU"
+        )
+    # In on_cpu mode the modules are built for the largest bucket only (application_base.to_cpu with
+    # model_base masks): any smaller bucket fails with a shape mismatch.
+    kwargs["context_encoding_buckets"] = kwargs["token_generation_buckets"] = [kwargs["seq_len"]]
 
 
 def plan_nxdi(
@@ -275,15 +335,23 @@ def plan_nxdi(
     model_config: Mapping[str, Any],
     model_path: str,
     tp_degree: int | None = None,
+    library_version: str | None = None,
+    platform: str | None = None,
 ) -> NxdiPlan:
-    """The NxD Inference plan for ``config`` and the model's ``config.json`` (no Neuron import)."""
+    """The NxD Inference plan for ``config`` and the model's ``config.json`` (no Neuron import), for
+    ``library_version`` (the installed release; None: the one ``platform`` runs). Raises
+    ``ValueError`` naming the key, ``UnsupportedReleaseError`` where the SDK matrix rules it out."""
     model_type = str(model_config.get("model_type", ""))
-    application = APPLICATIONS.get(model_type)
+    version, version_source = library_release(library_version, platform, model_type)
+    old = (release(version) or (0, 9)) <= (0, 8)
+    applications = APPLICATIONS_0_8 if old else APPLICATIONS
+    application = applications.get(model_type)
     if application is None:
         raise ValueError(
-            f"model_type {model_type!r} has no NxD Inference application here; "
-            f"supported: {', '.join(sorted(APPLICATIONS))}"
+            f"config.json model_type={model_type!r} has no NxD Inference application here; "
+            f"supported: {', '.join(sorted(applications))}"
         )
+    check_release(version, platform, model_type)
     batching, neuron = config.batching, config.neuron
     if batching.n_positions is None:
         raise ValueError(
@@ -320,7 +388,19 @@ def plan_nxdi(
         # Greedy on the device; only the chosen token comes back (see NxdiRunner).
         kwargs["on_device_sampling_config"] = {"do_sample": False, "top_k": 1, "dynamic": False}
     kwargs.update(neuron.override_neuron_config or {})
+    on_cpu = kwargs.get("on_cpu") is True
+    if on_cpu:
+        _on_cpu(kwargs, config.model.dtype)
     _check(kwargs)
+    window = _window(application, model_config, int(kwargs["seq_len"]))
+    ignored = _ignored(config, NEURON_CONFIG_FIELDS_0_8 if old else NEURON_CONFIG_FIELDS, version)
+    if window is not None and application.application not in WINDOWED_APPLICATIONS:
+        ignored["config.json sliding_window"] = (
+            f"NxD Inference {version}'s {application.application} has no sliding window: with "
+            f"n_positions={kwargs['seq_len']} > sliding_window={window}, tokens past the first {window} "
+            f"attend to the whole sequence, not the last {window} as the model was trained; set "
+            f"option.n_positions <= {window} to stay within the window"
+        )
     return NxdiPlan(
         model_path=model_path,
         model_type=model_type,
@@ -333,7 +413,11 @@ def plan_nxdi(
         context_buckets=tuple(kwargs["context_encoding_buckets"]),
         token_buckets=tuple(kwargs["token_generation_buckets"]),
         on_device_sampling=kwargs.get("on_device_sampling_config") is not None,
-        ignored=_ignored(config),
+        ignored=ignored,
+        library_version=version,
+        version_source=version_source,
+        on_cpu=on_cpu,
+        sliding_window=window if application.application in WINDOWED_APPLICATIONS else None,
     )
 
 

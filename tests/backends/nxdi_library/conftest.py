@@ -1,0 +1,143 @@
+"""The real NxD Inference tier: the library's own modeling code on the CPU (see ``library``).
+
+Skipped, naming the variables, unless ``NEURON_LMI_NXDI_SRC`` and ``NEURON_LMI_NXD_SRC`` point at
+source trees; ``make test-nxdi`` runs it. The main tier never installs the import hook (its
+Makefile target unsets both variables), so no other test sees stand-in hardware packages.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.backends.nxdi_library import library
+
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = library.skip_reason()
+    if reason is None:
+        return
+    for item in items:
+        if HERE in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nxdi_library() -> str | None:
+    """Installs the trees and the stand-ins once (a fixture of this folder's tests alone); returns
+    the NxD Inference version under test."""
+    if library.skip_reason() is not None:
+        return None
+    library.install()
+    return library.library_version()
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls; the box has two cores shared with other jobs
+    yield
+    torch.set_num_threads(before)
+
+
+def platform() -> str:
+    import os
+
+    return os.environ[library.PLATFORM_VAR]
+
+
+def served(model_type: str) -> bool:
+    """Whether the release under test serves ``model_type``; where the SDK matrix says it does not
+    (Mixtral on 0.9+), the plan must refuse it, naming the release to pin."""
+    from neuron_lmi.backends.nxdi.support import ENDS_AT_0_8, release
+
+    return model_type not in ENDS_AT_0_8 or (release(library.library_version()) or (0, 9)) <= (0, 8)
+
+
+# Mixtral's modeling file is the same in 0.8.0 and 0.9.0 (models/mixtral/modeling_mixtral.py); where
+# the product refuses it on 0.9+ (the SDK matrix: a device kernel it needs is gone), the tier still
+# runs that code on the CPU under the 0.8 mapping, the release that serves it.
+SERVING_RELEASE = "0.8.0"
+
+
+def nxdi_plan(checkpoint: Path, rows: int, n_positions: int, extra: str = "", overrides: str = "") -> Any:
+    """Our plan for ``checkpoint`` in the library's CPU mode, for the release under test; for a model
+    the release does not serve, the refusal is checked and the 0.8 plan returned instead."""
+    from neuron_lmi.backends.nxdi.support import UnsupportedReleaseError
+
+    model_type = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))["model_type"]
+    if served(model_type):
+        return _plan(checkpoint, rows, n_positions, extra, overrides)
+    with pytest.raises(UnsupportedReleaseError, match=r"pin Neuron SDK 2\.28"):
+        _plan(checkpoint, rows, n_positions, extra, overrides)
+    return _plan(checkpoint, rows, n_positions, extra, overrides, SERVING_RELEASE, None)
+
+
+def _plan(
+    checkpoint: Path,
+    rows: int,
+    n_positions: int,
+    extra: str,
+    overrides: str,
+    version: str | None = None,
+    chip: str | None = "",
+) -> Any:
+    from neuron_lmi.backends.nxdi.plan import plan_nxdi
+    from neuron_lmi.backends.nxdi.runner import read_model_config
+    from neuron_lmi.config import load_config
+
+    props = checkpoint.parent / f"{checkpoint.name}-{rows}x{n_positions}.properties"
+    props.write_text(
+        f"option.model_id={checkpoint}\noption.model_loader=nxdi\noption.max_rolling_batch_size={rows}\n"
+        f"option.n_positions={n_positions}\noption.dtype=fp32\noption.tensor_parallel_degree=1\n"
+        f'option.override_neuron_config={{"on_cpu": true{overrides}}}\n{extra}',
+        encoding="utf-8",
+    )
+    config = load_config(properties_path=props, env={}).config
+    return plan_nxdi(
+        config,
+        read_model_config(str(checkpoint)),
+        str(checkpoint),
+        None,
+        version or library.library_version(),
+        platform() if chip == "" else chip,
+    ), config
+
+
+# NxD Inference 0.8.0's CPU mode: ``NeuronBaseForCausalLM._copy_past_key_values`` (model_base.py, run
+# after every forward that is not on a device) calls ``_get_captured_tensors_offset``, which that
+# release defines only on its image-to-text base; 0.9.0 defines it on the causal-LM base.
+KNOWN_CPU_FAILURE = "_get_captured_tensors_offset"
+
+
+@pytest.fixture(scope="session")
+def cpu_forward(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Skips a test that runs the library's forward where the release cannot run one on the CPU,
+    after checking that it fails for the known reason (so a fixed release runs the tests)."""
+    from neuron_lmi.backends.nxdi.runner import on_cpu_application
+    from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
+
+    checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("probe"), arch="llama")
+    plan, _ = nxdi_plan(checkpoint, 2, 32)
+    app = on_cpu_application(plan)
+    try:
+        with torch.inference_mode():
+            app(
+                input_ids=torch.tensor([[5, 6, 7]]),
+                attention_mask=torch.ones(1, 3, dtype=torch.long),
+                position_ids=torch.arange(3)[None],
+                seq_ids=torch.tensor([0]),
+            )
+    except AttributeError as exc:
+        assert KNOWN_CPU_FAILURE in str(exc), exc
+        pytest.skip(
+            f"NxD Inference {library.library_version()} cannot run a text model's forward on the CPU "
+            f"(checked: AttributeError {exc}); its kwargs are still checked"
+        )
