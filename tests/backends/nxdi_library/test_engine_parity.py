@@ -1,0 +1,121 @@
+"""(a) ``NxdiRunner`` over the real application, inside ``EngineCore`` and behind the real server,
+gives the CPU engine's greedy tokens.
+
+The schedule joins six requests into four rows step by step: one- and two-token prompts, a prompt
+longer than a Mistral window of 8, full and partial batches, rows freed and reused. Where the
+application keeps no sliding window (Mixtral), the reference is the CPU engine without one too.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from neuron_lmi.backends.nxdi.runner import on_cpu_application, runner_for
+from neuron_lmi.engine.build import eos_ids_for
+from neuron_lmi.engine.core import EngineCore
+from neuron_lmi.models import build_model
+from neuron_lmi.models.loader import load_checkpoint, load_tokenizer
+from neuron_lmi.runners.cpu import CpuRunner
+from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
+from tests.backends.conftest import run_schedule
+from tests.backends.nxdi_library.conftest import nxdi_plan, served
+from tests.server.conftest import free_port, start_server
+
+ROWS, N_POSITIONS = 4, 64
+SCHEDULE = [(0, 5, 6), (0, 20, 7), (2, 1, 5), (3, 9, 9), (3, 2, 3), (6, 12, 5), (7, 1, 4)]
+pytestmark = pytest.mark.usefixtures("one_thread", "cpu_forward")
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "mixtral"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    extra: dict[str, Any] = {"sliding_window": 8} if request.param != "llama" else {}
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch=request.param, **extra)
+
+
+def reference(checkpoint: Path, plan: Any) -> tuple[Any, Any, list[int]]:
+    """The CPU engine's model, without a window where the application keeps none."""
+    ckpt = load_checkpoint(checkpoint, dtype=torch.float32)
+    model = build_model(ckpt.config, ckpt.state_dict, n_positions=N_POSITIONS)
+    if plan.sliding_window is None and model.args.sliding_window is not None:
+        model = copy.copy(model)
+        model.args = dataclasses.replace(model.args, sliding_window=None)
+    tokenizer = load_tokenizer(ckpt)
+    return model, tokenizer, eos_ids_for(ckpt.config, tokenizer)
+
+
+@pytest.mark.parametrize("sampling", ["host", "on-device"])
+def test_the_runner_on_the_library_gives_the_cpu_engine_tokens(checkpoint: Path, sampling: str) -> None:
+    extra = "option.on_device_sampling=true\n" if sampling == "on-device" else ""
+    plan, _ = nxdi_plan(checkpoint, ROWS, N_POSITIONS, extra=extra)
+    assert plan.on_device_sampling == (sampling == "on-device")
+    model, tokenizer, eos = reference(checkpoint, plan)
+    expected = run_schedule(EngineCore(CpuRunner(model, ROWS, N_POSITIONS), tokenizer, eos), SCHEDULE)
+
+    runner = runner_for(on_cpu_application(plan), plan, model.args.vocab_size)
+    got = run_schedule(EngineCore(runner, tokenizer, eos), SCHEDULE)
+
+    assert got == expected
+    assert all(len(got[f"r{i}"]) == new for i, (_, _, new) in enumerate(SCHEDULE))
+    assert runner.rows.in_use() == []
+
+
+def test_the_server_on_the_library_answers_concurrent_completions(checkpoint: Path, tmp_path: Path) -> None:
+    """``neuron-lmi serve --backend neuron`` with ``override_neuron_config.on_cpu``, as a user runs it."""
+    plan, _ = nxdi_plan(checkpoint, ROWS, N_POSITIONS)
+    model, tokenizer, eos = reference(checkpoint, plan)
+    prompts = [[11], [12, 13], *[list(range(20 + i, 20 + i + n)) for i, n in enumerate((3, 9, 17, 30))]]
+    core = EngineCore(CpuRunner(model, ROWS, N_POSITIONS), tokenizer, eos)
+    requests = [core.make_request(p, _greedy(10), request_id=str(i)) for i, p in enumerate(prompts)]
+    for request in requests:
+        core.add(request)
+    while core.has_work():
+        core.step()
+    expected = [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in requests]
+
+    props = tmp_path / "serving.properties"
+    props.write_text(
+        f"option.model_id={checkpoint}\noption.max_rolling_batch_size={ROWS}\n"
+        f"option.n_positions={N_POSITIONS}\noption.dtype=fp32\noption.tensor_parallel_degree=1\n"
+        'option.override_neuron_config={"on_cpu": true}\n',
+        encoding="utf-8",
+    )
+    launcher = [sys.executable, str(Path(__file__).with_name("launch_server.py"))]
+    args = ["--backend", "neuron", "--properties", str(props)]
+    if not served(plan.model_type):  # refused at start-up, naming the release to pin; exit status 2
+        command = [*launcher, "serve", "--model", str(checkpoint), *args]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and "pin Neuron SDK 2.28" in done.stderr, done.stderr[-2000:]
+        return
+    # This process's own gloo group holds its MASTER_PORT: the server gets another.
+    server = start_server(checkpoint, tmp_path, args, env={"MASTER_PORT": str(free_port())}, command=launcher)
+    try:
+        with server.client() as http:
+            info = http.get("/info").json()
+            body = {"model": info["model_id"], "max_tokens": 10, "temperature": 0}
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                answers = list(
+                    pool.map(lambda p: http.post("/v1/completions", json={**body, "prompt": p}), prompts)
+                )
+        assert info["model_device_type"] == "neuron-nxdi"
+        assert [a.status_code for a in answers] == [200] * len(prompts), [a.text for a in answers]
+        assert [a.json()["choices"][0]["text"] for a in answers] == expected
+        assert server.wait_rows_free() == 0
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert "override_neuron_config.on_cpu=true" in log and "no Neuron devices used" in log
+
+
+def _greedy(n: int) -> Any:
+    from neuron_lmi.engine.types import SamplingParams
+
+    return SamplingParams(max_new_tokens=n, temperature=0.0)
