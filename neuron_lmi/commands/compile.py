@@ -254,11 +254,22 @@ def _loader(args: argparse.Namespace, resolved: Any) -> str:
 
 def _nxdi(args: argparse.Namespace, resolved: Any) -> tuple[dict[str, Any], Any]:
     """(dry-run description, compile thunk) for NxD Inference."""
+    from neuron_lmi.backends.host import NXDI, installed_version
     from neuron_lmi.backends.nxdi.artifacts import compile_entry, nxdi_key_inputs
     from neuron_lmi.backends.nxdi.plan import plan_nxdi
+    from neuron_lmi.backends.nxdi.support import host_platform
 
     model_dir, config = _neuron_model_config(resolved)
-    plan = plan_nxdi(resolved.config, config, str(model_dir), _neuron_tp(resolved))
+    # The kwargs are for the installed release, else for the one the platform (or model) needs:
+    # the dry run says which (library_version, library_version_source).
+    plan = plan_nxdi(
+        resolved.config,
+        config,
+        str(model_dir),
+        _neuron_tp(resolved),
+        installed_version(NXDI.distribution),
+        host_platform(os.environ),
+    )
     inputs = nxdi_key_inputs(plan, config, args.compiler_version)
     described = {**plan.describe(), "cache_key": inputs.key(), "cache_key_inputs": inputs.describe()}
 
