@@ -77,6 +77,7 @@ def library(monkeypatch: pytest.MonkeyPatch) -> type[Recorder]:
     modules["neuronx_distributed_inference.models.config"].NeuronConfig = NeuronConfig
     llama = modules["neuronx_distributed_inference.models.llama.modeling_llama"]
     llama.LlamaInferenceConfig, llama.NeuronLlamaForCausalLM = LlamaInferenceConfig, NeuronLlamaForCausalLM
+
     def load_pretrained_config(path: str) -> Any:
         def load(config: Any) -> None:  # what the library's loader does: config.json onto the config
             config.loaded_from = ("hf", path)

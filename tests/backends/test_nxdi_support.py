@@ -92,9 +92,8 @@ def test_mixtral_is_planned_for_0_8_and_a_short_window_is_named(tmp_path: Path) 
 
 
 def test_cpu_mode_plans_one_bucket_and_one_rank(tmp_path: Path) -> None:
-    plan, _ = plan_for(
-        tmp_path, LLAMA_3_8B, "option.tensor_parallel_degree=1\noption.n_positions=512\noption.dtype=bf16\n" + ON_CPU
-    )
+    props = "option.tensor_parallel_degree=1\noption.n_positions=512\noption.dtype=bf16\n" + ON_CPU
+    plan, _ = plan_for(tmp_path, LLAMA_3_8B, props)
     assert plan.on_cpu and plan.context_buckets == plan.token_buckets == (512,)
     assert plan.neuron_config["on_cpu"] is True
 
