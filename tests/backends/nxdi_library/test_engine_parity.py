@@ -61,9 +61,20 @@ def test_the_runner_on_the_library_gives_the_cpu_engine_tokens(checkpoint: Path,
     expected = run_schedule(EngineCore(CpuRunner(model, ROWS, N_POSITIONS), tokenizer, eos), SCHEDULE)
 
     runner = runner_for(on_cpu_application(plan), plan, model.args.vocab_size)
+    riders: list[tuple[int, int]] = []  # (row, position) of every line written for a row not asked
+    rider = runner._rider
+
+    def counted(row: int) -> tuple[int, int] | None:
+        write = rider(row)
+        if write is not None:
+            riders.append((row, write[1]))
+        return write
+
+    runner._rider = counted  # type: ignore[method-assign]
     got = run_schedule(EngineCore(runner, tokenizer, eos), SCHEDULE)
 
     assert got == expected
+    assert riders == []  # the engine decodes every live row in every call: nothing rides
     assert all(len(got[f"r{i}"]) == new for i, (_, _, new) in enumerate(SCHEDULE))
     assert runner.rows.in_use() == []
 
@@ -119,3 +130,20 @@ def _greedy(n: int) -> Any:
     from neuron_lmi.engine.types import SamplingParams
 
     return SamplingParams(max_new_tokens=n, temperature=0.0)
+
+
+@pytest.mark.parametrize("length", [3, 7])
+def test_a_row_riding_along_keeps_its_ring(checkpoint: Path, length: int) -> None:
+    """Where a live row must ride all the same, its write leaves the ring as it was: at its next
+    position while the ring has a free slot (3 < W-1), else its last token again (W-1 = 7)."""
+    plan, _ = nxdi_plan(checkpoint, ROWS, N_POSITIONS)
+    model, _, _ = reference(checkpoint, plan)
+    cpu = CpuRunner(model, ROWS, N_POSITIONS)
+    nxdi = runner_for(on_cpu_application(plan), plan, model.args.vocab_size)
+    logits = []
+    for runner in (cpu, nxdi):
+        a, b = runner.rows.allocate(), runner.rows.allocate()
+        runner.prefill([a, b], [list(range(40, 52)), list(range(60, 60 + length))])
+        runner.decode([a], [7])  # b rides along
+        logits.append(runner.decode([a, b], [8, 9]))
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)
