@@ -284,6 +284,7 @@ def _nxdi(args: argparse.Namespace, resolved: Any) -> tuple[dict[str, Any], Any]
 def _tnx(args: argparse.Namespace, resolved: Any) -> tuple[dict[str, Any], Any]:
     """(dry-run description, compile thunk) for transformers-neuronx, built as serve builds it."""
     from compile_cache import architecture_config
+    from neuron_lmi.backends.host import TNX, installed_version
     from neuron_lmi.backends.neuron import compile_spec_from_config
     from neuron_lmi.compile.neuron import (
         compile_neuron_entry,
@@ -301,8 +302,15 @@ def _tnx(args: argparse.Namespace, resolved: Any) -> tuple[dict[str, Any], Any]:
         spec, mapped, architecture_config(config), args.compiler_version or "not-installed"
     )
     module, name = sampling_class_path(architecture)
+
+    tnx_version = installed_version(TNX.distribution)
+    tnx_source = "installed" if tnx_version else "assumed: not installed, Neuron SDK <= 2.25"
     described = {
         "library": "transformers-neuronx",
+        # The kwargs are ones every release takes (batch_size_for_shared_caches, not 0.13's
+        # max_num_seqs); 0.13 is the last release, for Neuron SDK <= 2.25.
+        "library_version": tnx_version or "0.13",
+        "library_version_source": tnx_source,
         "application_class": f"{module}.{name}",
         "from_pretrained_kwargs": mapped.from_pretrained_kwargs,
         "neuron_config_class": "transformers_neuronx.NeuronConfig",

@@ -7,6 +7,7 @@ folder that holds only ``config.json``.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,29 @@ def test_tnx_dry_run_from_config_only(config_only: Path) -> None:
     assert out["application_class"] == "transformers_neuronx.llama.model.LlamaForSampling"
     assert out["from_pretrained_kwargs"]["tp_degree"] == 24
     assert out["cache_key_inputs"]["tensor_parallel_degree"] == 24
+
+
+def test_the_dry_run_says_which_release_its_kwargs_are_for(config_only: Path) -> None:
+    """No Neuron package here: the kwargs are for the release the platform runs, and it says so."""
+    nxdi, _ = dry_run(config_only, "--tensor-parallel-degree", "24")
+    assert (nxdi["library_version"], nxdi["library_version_source"]) == (
+        "0.9.0",
+        "assumed: not installed, platform unknown",
+    )
+    env_driver = dict(os.environ, NEURON_PLATFORM_TARGET_OVERRIDE="inf2")
+    args = ["compile", "--target", "neuron", "--dry-run", "--json", "--model", str(config_only)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "neuron_lmi.cli", *args, "--tensor-parallel-degree", "24"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env_driver,
+        check=True,
+    )
+    inf2 = json.loads(proc.stdout)
+    assert inf2["library_version"] == "0.8.0" and "inf2" in inf2["library_version_source"]
+    tnx, _ = dry_run(config_only, "--model-loader", "tnx", "--tensor-parallel-degree", "24")
+    assert tnx["library_version"] == "0.13" and "SDK <= 2.25" in tnx["library_version_source"]
 
 
 def test_dry_run_needs_config_json(tmp_path: Path) -> None:
