@@ -286,11 +286,15 @@ def resolve_tp_degree(
     probe: BackendProbe,
     env: Mapping[str, str],
     logical_nc_config: int | None = None,
+    nxdi_on_cpu: bool = False,
 ) -> tuple[int, str]:
     """The degree to run at and how it was found; ``max`` means every visible NeuronCore on the
-    Neuron backends, every visible GPU on vLLM, and 1 on the CPU engine."""
+    Neuron backends, every visible GPU on vLLM, and 1 on the CPU engine and in NxD Inference's CPU
+    mode (one rank in this process)."""
     if tensor_parallel_degree != "max":
         return int(tensor_parallel_degree), "configured"
+    if nxdi_on_cpu and not probe.neuron_devices_present:
+        return 1, "max: NxD Inference's CPU mode runs one rank"
     if backend in NEURON_BACKENDS:
         lnc = logical_nc_config or _positive_int(env.get("NEURON_LOGICAL_NC_CONFIG"))
         cores = visible_neuron_cores(

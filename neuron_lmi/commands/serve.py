@@ -151,7 +151,12 @@ def build_engine(resolved: ResolvedConfig, env: Mapping[str, str] | None = None)
     probe = probe_host(requested, env=env, nxdi_on_cpu=on_cpu)
     choice = choose_backend(requested, probe, cfg.neuron.model_loader, nxdi_on_cpu=on_cpu)
     tp, how = resolve_tp_degree(
-        cfg.parallel.tensor_parallel_degree, choice.name, probe, env, cfg.neuron.logical_nc_config
+        cfg.parallel.tensor_parallel_degree,
+        choice.name,
+        probe,
+        env,
+        cfg.neuron.logical_nc_config,
+        nxdi_on_cpu=on_cpu,
     )
     log.info("%s; tensor parallel degree %d (%s)", choice.summary(), tp, how)
     builder = registry.get(choice.name)

@@ -139,3 +139,15 @@ def test_dispatch_refuses_0_9_on_an_inf2_host() -> None:
         choose_backend("neuron", inf2)
     trn2 = BackendProbe(neuron_devices=16, nxdi_version="0.9.0", neuron_platform="trn2")
     assert choose_backend("neuron", trn2).name == "neuron-nxdi"
+
+
+def test_cpu_mode_runs_one_rank_for_max() -> None:
+    from neuron_lmi.backends.dispatch import resolve_tp_degree
+
+    cpu_host = BackendProbe(nxdi_version="0.9.0")
+    assert resolve_tp_degree("max", "neuron-nxdi", cpu_host, {}, nxdi_on_cpu=True) == (
+        1,
+        "max: NxD Inference's CPU mode runs one rank",
+    )
+    with pytest.raises(BackendUnavailableError, match="no NeuronCores are visible"):
+        resolve_tp_degree("max", "neuron-nxdi", cpu_host, {})
