@@ -21,9 +21,9 @@ position and their logits are dropped; otherwise a row prefilled this step would
 Prompts longer than the largest context bucket are context-encoded up to it and the rest fed one
 token per call, as the library's own ``context`` does.
 
-What ran where: this module's logic runs in the test suite against ``backends.contract.ContractModel``
-(the same forward contract on the CPU reference model); the calls into transformers-neuronx
-(``from_pretrained``, ``to_neuron``, ``save``/``load`` through the compile cache) are written against
+What ran where: this module's logic runs in the test suite against
+``neuron_lmi.testing.tnx_contract.ContractModel`` (the same forward contract on the CPU reference
+model); the calls into transformers-neuronx (``from_pretrained``, ``to_neuron``, ``save``/``load`` through the compile cache) are written against
 the library's API and checked with stand-in classes, not run on a Neuron device.
 """
 

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from compile_cache import CompileCache
-from neuron_lmi.backends.contract import ContractModel
 from neuron_lmi.backends.neuron import NeuronRunner, build_neuron_runner, compile_spec_from_config
 from neuron_lmi.config import load_config
 from neuron_lmi.engine.build import eos_ids_for
@@ -26,6 +25,7 @@ from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint, load_tokenizer
 from neuron_lmi.parallel.tp_model import apply_tensor_parallel
 from neuron_lmi.runners.cpu import CpuRunner
+from neuron_lmi.testing.tnx_contract import ContractModel
 from tests.backends.conftest import run_schedule
 
 N_ROWS, N_POSITIONS = 4, 64

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from neuron_lmi.backends import dispatch, registry
-from neuron_lmi.backends.contract import ContractModel
 from neuron_lmi.backends.dispatch import BackendProbe
 from neuron_lmi.backends.neuron import NeuronRunner
 from neuron_lmi.config import load_config
+from neuron_lmi.testing.tnx_contract import ContractModel
 
 N_ROWS, N_POSITIONS = 4, 64
 

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-from neuron_lmi.backends.nxdi.contract import NxdiContractModel
 from neuron_lmi.backends.nxdi.runner import on_cpu_application
 from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint
 from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
+from neuron_lmi.testing.nxdi_contract import NxdiContractModel
 from tests.backends.nxdi_library.conftest import nxdi_plan
 
 ROWS, N_POSITIONS, CALLS = 4, 32, 48
