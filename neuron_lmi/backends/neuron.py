@@ -23,8 +23,9 @@ token per call, as the library's own ``context`` does.
 
 What ran where: this module's logic runs in the test suite against
 ``neuron_lmi.testing.tnx_contract.ContractModel`` (the same forward contract on the CPU reference
-model); the calls into transformers-neuronx (``from_pretrained``, ``to_neuron``, ``save``/``load`` through the compile cache) are written against
-the library's API and checked with stand-in classes, not run on a Neuron device.
+model); the calls into transformers-neuronx (``from_pretrained``, ``to_neuron``, ``save``/``load``
+through the compile cache) are written against the library's API and checked with stand-in classes,
+not run on a Neuron device.
 """
 
 from __future__ import annotations
