@@ -147,3 +147,32 @@ def test_a_row_riding_along_keeps_its_ring(checkpoint: Path, length: int) -> Non
         runner.decode([a], [7])  # b rides along
         logits.append(runner.decode([a, b], [8, 9]))
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ("option.tensor_parallel_degree=2\noption.dtype=fp32\n", "option.tensor_parallel_degree=2"),
+        ("option.tensor_parallel_degree=2\noption.dtype=bf16\n", "option.tensor_parallel_degree=2"),
+        ("option.tensor_parallel_degree=1\noption.dtype=fp16\n", "option.dtype=fp16"),
+    ],
+)
+def test_the_cpu_mode_refuses_what_to_cpu_cannot_run(options: str, named: str, tmp_path: Path) -> None:
+    """A CLI error naming the key and a non-zero exit, before any weights are read."""
+    checkpoint = make_tiny_checkpoint(tmp_path / "model", arch="llama")
+    props = tmp_path / "serving.properties"
+    props.write_text(f'{options}option.override_neuron_config={{"on_cpu": true}}\n', encoding="utf-8")
+    launcher = [sys.executable, str(Path(__file__).with_name("launch_server.py"))]
+    command = [
+        *launcher,
+        "serve",
+        "--backend",
+        "neuron",
+        "--model",
+        str(checkpoint),
+        "--properties",
+        str(props),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert named in done.stderr and "on_cpu" in done.stderr
