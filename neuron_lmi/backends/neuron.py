@@ -30,11 +30,9 @@ not run on a Neuron device.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -196,10 +194,9 @@ def _positive(value: Any) -> int | None:
 
 
 def read_model_config(model_path: str) -> dict[str, Any]:
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"the Neuron backend needs a Hugging Face checkpoint directory; no {path}")
-    return json.loads(path.read_text(encoding="utf-8"))
+    from neuron_lmi.model_source.hf_config import read_hf_config
+
+    return read_hf_config(model_path, "the Neuron backend")
 
 
 def load_compiled_model(

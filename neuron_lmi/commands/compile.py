@@ -230,12 +230,9 @@ def _compile_cpu_buckets(args: argparse.Namespace, resolved: Any) -> dict[str, A
 
 def _neuron_model_config(resolved: Any) -> tuple[Path, dict[str, Any]]:
     model_dir = Path(resolved.config.model.model_id or "")
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise ValueError(
-            f"--model: the neuron target needs a Hugging Face checkpoint folder; {config_path} is missing"
-        )
-    return model_dir, json.loads(config_path.read_text(encoding="utf-8"))
+    from neuron_lmi.model_source.hf_config import read_hf_config
+
+    return model_dir, read_hf_config(model_dir, "--model: the neuron target")
 
 
 def _neuron_tp(resolved: Any) -> int:

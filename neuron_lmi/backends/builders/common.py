@@ -6,7 +6,6 @@ becomes an ``Engine``: tokenizer, end-of-sequence ids, ``EngineCore``, ``AsyncEn
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
@@ -42,10 +41,9 @@ def fetch(resolved: ResolvedConfig, env: Mapping[str, str]) -> Path:
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
-    config_path = Path(path) / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"the Neuron backends need a Hugging Face checkpoint directory; no {config_path}")
-    return json.loads(config_path.read_text(encoding="utf-8"))
+    from neuron_lmi.model_source.hf_config import read_hf_config
+
+    return read_hf_config(path, "the Neuron backends")
 
 
 def with_model_defaults(resolved: ResolvedConfig, path: str | Path) -> ResolvedConfig:

@@ -35,7 +35,6 @@ Consequences handled here:
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -185,13 +184,6 @@ class NxdiRunner:
 # -- start-up: configuration -> plan -> artifacts -> runner -----------------------------------------
 
 
-def read_model_config(model_path: str) -> dict[str, Any]:
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"the NxD Inference backend needs a Hugging Face checkpoint directory; no {path}")
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
 def build_nxdi_runner(
     config: ServingConfig,
     model_path: str,
@@ -209,8 +201,9 @@ def build_nxdi_runner(
     ``override_neuron_config.on_cpu`` the library's modeling code runs here on the CPU (``to_cpu``).
     """
     from neuron_lmi.backends.nxdi.plan import plan_nxdi
+    from neuron_lmi.model_source.hf_config import read_hf_config
 
-    model_config = read_model_config(model_path)
+    model_config = read_hf_config(model_path, "the NxD Inference backend")
     plan = plan_nxdi(config, model_config, model_path, tp_degree, library_version, platform)
     log.info(
         "NxD Inference %s (%s): %s%s",

@@ -90,8 +90,8 @@ def _plan(
     chip: str | None = "",
 ) -> Any:
     from neuron_lmi.backends.nxdi.plan import plan_nxdi
-    from neuron_lmi.backends.nxdi.runner import read_model_config
     from neuron_lmi.config import load_config
+    from neuron_lmi.model_source.hf_config import read_hf_config
 
     props = checkpoint.parent / f"{checkpoint.name}-{rows}x{n_positions}.properties"
     props.write_text(
@@ -103,7 +103,7 @@ def _plan(
     config = load_config(properties_path=props, env={}).config
     return plan_nxdi(
         config,
-        read_model_config(str(checkpoint)),
+        read_hf_config(checkpoint, "the tier"),
         str(checkpoint),
         None,
         version or library.library_version(),
