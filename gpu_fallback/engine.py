@@ -17,7 +17,6 @@ import logging
 import os
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +24,10 @@ from typing import Any
 
 from gpu_fallback.config import VllmEngineConfig, engine_args_kwargs, load_chat_template, use_spawn
 from gpu_fallback.mapping import delta_to_events, prompt_tokens, refusal, sampling_kwargs
+from neuron_lmi.engine.admission import Admission, AdmissionLimits, Capacity, check_accepting
 from neuron_lmi.engine.types import (
     EngineDeadError,
-    EngineOverloadedError,
     EngineStats,
-    InvalidRequestError,
     SamplingParams,
     TokenEvent,
 )
@@ -233,48 +231,22 @@ class VllmEngine:
     def _alive(self) -> bool:
         return self._llm is not None and not self._llm.errored
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("inputs must not be empty", "inputs")
-            return list(self.tokenizer.encode(prompt))
-        ids = list(prompt)
-        vocab = len(self.tokenizer)
-        if not ids:
-            raise InvalidRequestError("inputs must not be empty", "inputs")
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})", "inputs")
-        return ids
-
-    def _admit(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str) -> list[int]:
-        if not self._alive():
-            raise EngineDeadError("the vLLM engine is not running")
-        if self._stopping:
-            raise EngineOverloadedError("the server is shutting down", retry_after_s=5.0)
-        params.validate(max_new_tokens_limit=self.n_positions - 1)
-        ids = self._prompt_ids(prompt)
-        if len(ids) + params.max_new_tokens > self.n_positions:
-            raise InvalidRequestError(
-                f"prompt of {len(ids)} tokens plus max_new_tokens={params.max_new_tokens} exceeds "
-                f"n_positions={self.n_positions}",
-                "inputs",
-            )
-        if request_id in self._active:
-            raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
-        if len(self._active) >= self.max_batch_size + self.config.max_queue_size:
-            raise EngineOverloadedError(
-                f"{len(self._active)} requests open (rolling batch {self.max_batch_size} + queue "
-                f"{self.config.max_queue_size})"
-            )
-        return ids
+    def _admission(self) -> Admission:
+        """Admission against what vLLM settled on (``max_model_len`` is known once it has started)."""
+        limits = AdmissionLimits(
+            self.n_positions, len(self.tokenizer), self.max_batch_size, self.config.max_queue_size
+        )
+        return Admission(self.tokenizer.encode, limits)
 
     def generate(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[TokenEvent]:
         """Validate and admit now (``InvalidRequestError``, ``EngineOverloadedError``); stream later."""
-        rid = request_id or uuid.uuid4().hex
-        ids = self._admit(prompt, params, rid)
+        check_accepting(self._alive(), self._stopping, "the vLLM engine")
+        admission = self._admission()
+        capacity = Capacity.of_in_flight(len(self._active), self.max_batch_size)
+        valid = admission.admit(prompt, params, request_id, self._active, capacity)
+        rid, ids = valid.request_id, valid.prompt_ids
         try:
             vparams = self._backend.sampling_params(
                 sampling_kwargs(params, self.sampling_defaults), params.stream

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -21,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from neuron_lmi.engine.admission import Capacity, check_accepting
 from neuron_lmi.engine.build import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.request import Request
@@ -28,8 +30,6 @@ from neuron_lmi.engine.scheduler import JoinPolicy
 from neuron_lmi.engine.step_clock import StepClock, time_runner
 from neuron_lmi.engine.streams import Mailbox, post, read_stream
 from neuron_lmi.engine.types import (
-    EngineDeadError,
-    EngineOverloadedError,
     EngineStats,
     FinishReason,
     SamplingParams,
@@ -58,6 +58,9 @@ class AsyncEngine:
         self.n_positions = core.runner.n_positions
         self.max_batch_size = core.runner.rows.n_rows
         self.max_queue_size = max_queue_size
+        # The core admits (ids, limits, duplicate id); this front owns the queue, so its bound.
+        self.admission = core.admission
+        self.admission.limits = dataclasses.replace(core.admission.limits, max_queue_size=max_queue_size)
         self._clock = StepClock(time_runner(core))
         self._inbox: queue.Queue[Request] = queue.Queue()
         self._aborts: queue.Queue[str] = queue.Queue()
@@ -171,17 +174,9 @@ class AsyncEngine:
         return self._stream(request, mailbox)
 
     def _check_accepting(self) -> None:
-        if not self._alive:
-            raise EngineDeadError("the engine loop is not running")
-        if self._stopping.is_set():
-            raise EngineOverloadedError("the server is shutting down", retry_after_s=5.0)
+        check_accepting(self._alive, self._stopping.is_set())
         waiting = len(self.core.scheduler.waiting) + self._pending
-        free_rows = self.core.runner.rows.occupancy().rows_free
-        if waiting >= self.max_queue_size + free_rows:
-            raise EngineOverloadedError(
-                f"{waiting} requests are already waiting for a KV row "
-                f"({free_rows} free, max_queue_size={self.max_queue_size})"
-            )
+        self.admission.check_capacity(Capacity(waiting, self.core.runner.rows.occupancy().rows_free))
 
     async def _stream(self, request: Request, mailbox: Mailbox) -> AsyncIterator[TokenEvent]:
         self._check_accepting()

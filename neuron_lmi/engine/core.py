@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import random
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from neuron_lmi.engine.admission import Admission, AdmissionLimits
 from neuron_lmi.engine.detokenizer import IncrementalDetokenizer
 from neuron_lmi.engine.grammar import GrammarCompiler
 from neuron_lmi.engine.prefix import PrefixIndex
@@ -73,6 +73,9 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", []) or [])
+        # Capacity is the fronts' to check (they own the queues): no queue bound here.
+        limits = AdmissionLimits(runner.n_positions, runner.vocab_size, runner.rows.n_rows, 0)
+        self.admission = Admission(tokenizer.encode, limits)
         self.grammars = GrammarCompiler(tokenizer, runner.vocab_size, sorted(self.eos_token_ids))
         extend = supports_extend(runner)
         if prefill is None:
@@ -90,19 +93,6 @@ class EngineCore:
         self._texts: dict[int, str] = {}  # token id -> its text alone (decoded once)
 
     # -- requests -----------------------------------------------------------------------------
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("inputs must not be empty", "inputs")
-            return list(self.tokenizer.encode(prompt))
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise InvalidRequestError("inputs must not be empty", "inputs")
-        bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary", "inputs")
-        return ids
-
     def make_request(
         self,
         prompt: str | Sequence[int],
@@ -110,20 +100,11 @@ class EngineCore:
         request_id: str | None = None,
         sink: EventSink | None = None,
     ) -> Request:
-        """Validate and build a request; raises ``InvalidRequestError`` naming the field."""
-        n_positions = self.runner.n_positions
-        params.validate(max_new_tokens_limit=n_positions - 1)
+        """Validate (``Admission``, then what only this runner can tell) and build a request; raises
+        ``InvalidRequestError`` naming the field."""
+        valid = self.admission.admit(prompt, params, request_id, self.requests)
         self._check_backend_support(params)
-        ids = self.tokenize(prompt)
-        if len(ids) + params.max_new_tokens > n_positions:
-            raise InvalidRequestError(
-                f"prompt of {len(ids)} tokens plus max_new_tokens={params.max_new_tokens} exceeds "
-                f"n_positions={n_positions}",
-                "inputs",
-            )
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
+        ids, request_id = valid.prompt_ids, valid.request_id
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else random.getrandbits(63)

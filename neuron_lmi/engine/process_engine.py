@@ -25,7 +25,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,11 +32,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from neuron_lmi.engine import engine_process as wire
+from neuron_lmi.engine.admission import Admission, AdmissionLimits, Capacity, check_accepting
 from neuron_lmi.engine.detokenizer import TextStream, text_decoder
 from neuron_lmi.engine.streams import Mailbox, post, read_stream
 from neuron_lmi.engine.types import (
     EngineDeadError,
-    EngineOverloadedError,
     EngineStats,
     FinishReason,
     InvalidRequestError,
@@ -93,6 +92,8 @@ class ProcessEngine:
         self.vocab_size = info.vocab_size
         self._tokenizer = info.tokenizer
         self._decode = text_decoder(info.tokenizer)
+        limits = AdmissionLimits(self.n_positions, self.vocab_size, self.max_batch_size, max_queue_size)
+        self.admission = Admission(info.tokenizer.encode, limits)
 
     @classmethod
     def from_options(
@@ -217,46 +218,15 @@ class ProcessEngine:
         submit and stream later. What only the engine can check (e.g. a grammar) is raised from the
         stream's first step."""
         self._check_accepting()
-        params.validate(max_new_tokens_limit=self.n_positions - 1)
-        ids = self._prompt_ids(prompt)
-        if len(ids) + params.max_new_tokens > self.n_positions:
-            raise InvalidRequestError(
-                f"prompt of {len(ids)} tokens plus max_new_tokens={params.max_new_tokens} exceeds "
-                f"n_positions={self.n_positions}",
-                "inputs",
-            )
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._live:
-            raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
+        valid = self.admission.admit(prompt, params, request_id, self._live)
+        request_id, ids = valid.request_id, valid.prompt_ids
         mailbox = Mailbox(asyncio.get_running_loop())
         live = _Live(mailbox, TextStream(self._tokenizer, ids, params.stop, self._decode), len(ids))
         return self._stream(request_id, ids, params, live)
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("inputs must not be empty", "inputs")
-            return list(self._tokenizer.encode(prompt))
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise InvalidRequestError("inputs must not be empty", "inputs")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary", "inputs")
-        return ids
-
     def _check_accepting(self) -> None:
-        if not self._alive:
-            raise EngineDeadError("the engine loop is not running")
-        if self._stopping:
-            raise EngineOverloadedError("the server is shutting down", retry_after_s=5.0)
-        in_flight = len(self._live)
-        if in_flight >= self.max_batch_size + self.max_queue_size:
-            waiting = in_flight - self.max_batch_size
-            raise EngineOverloadedError(
-                f"{waiting} requests are already waiting for a KV row "
-                f"(0 free, max_queue_size={self.max_queue_size})"
-            )
+        check_accepting(self._alive, self._stopping)
+        self.admission.check_capacity(Capacity.of_in_flight(len(self._live), self.max_batch_size))
 
     async def _stream(
         self, request_id: str, ids: list[int], params: SamplingParams, live: _Live
