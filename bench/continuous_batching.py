@@ -20,8 +20,21 @@ from dataclasses import dataclass
 
 from neuron_lmi.engine.build import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.engine.core import EngineCore
-from neuron_lmi.engine.scheduler import InsertRows, RecomputeOnJoin
+from neuron_lmi.engine.request import Request
+from neuron_lmi.engine.scheduler import InsertRows, PrefillChunk, SchedulerOutput
 from neuron_lmi.engine.types import SamplingParams, TokenEvent
+
+
+class RecomputeOnJoin:
+    """The pre-cache-API baseline (a ``JoinPolicy``): whenever a request joins, every active row is
+    encoded again."""
+
+    def plan(
+        self, admitted: list[Request], chunks: list[PrefillChunk], decoding: list[Request]
+    ) -> SchedulerOutput:
+        if admitted:
+            return SchedulerOutput(prefill=admitted, chunks=chunks, recompute=decoding)
+        return SchedulerOutput(chunks=chunks, decode=decoding)
 
 
 @dataclass(frozen=True)

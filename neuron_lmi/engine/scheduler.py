@@ -7,7 +7,8 @@ objects keep ``schedule`` free of feature branches:
 * ``PrefillPolicy`` — how many prompt tokens a step computes: ``WholePrompts`` (every prompt in
   one piece, within a prefill budget) or ``ChunkedPrefill`` (one budget shared with the running
   decodes; prompts are split into chunks, so a burst of long prompts never freezes the streams);
-* ``JoinPolicy`` — what the running rows do when requests join (``InsertRows``, ``RecomputeOnJoin``);
+* ``JoinPolicy`` — what the running rows do when requests join (``InsertRows``; the recompute-on-join
+  baseline the cache API is measured against lives with its benchmark, ``bench/continuous_batching.py``);
 * ``PrefixIndex`` (``engine.prefix``) — which cached prefix a new prompt can start from.
 """
 
@@ -127,17 +128,6 @@ class InsertRows:
         self, admitted: list[Request], chunks: list[PrefillChunk], decoding: list[Request]
     ) -> SchedulerOutput:
         return SchedulerOutput(prefill=admitted, chunks=chunks, decode=decoding)
-
-
-class RecomputeOnJoin:
-    """The pre-cache-API baseline: whenever a request joins, every active row is encoded again."""
-
-    def plan(
-        self, admitted: list[Request], chunks: list[PrefillChunk], decoding: list[Request]
-    ) -> SchedulerOutput:
-        if admitted:
-            return SchedulerOutput(prefill=admitted, chunks=chunks, recompute=decoding)
-        return SchedulerOutput(chunks=chunks, decode=decoding)
 
 
 class Scheduler:

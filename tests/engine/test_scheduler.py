@@ -7,7 +7,7 @@ import pytest
 from cache_api import RowTable
 from neuron_lmi.engine.prefix import PrefixHit, PrefixIndex, common_prefix
 from neuron_lmi.engine.request import Request, Status
-from neuron_lmi.engine.scheduler import ChunkedPrefill, RecomputeOnJoin, Scheduler, WholePrompts
+from neuron_lmi.engine.scheduler import ChunkedPrefill, Scheduler, WholePrompts
 from neuron_lmi.engine.stops import StopMatcher
 from neuron_lmi.engine.types import SamplingParams
 
@@ -48,17 +48,6 @@ def test_prefill_token_budget_limits_admissions_but_never_starves():
     out = sched.schedule(free_rows=8)
     assert out.prefill == [small1]  # the second would exceed the budget
     assert sched.schedule(free_rows=8).prefill == [small2]
-
-
-def test_recompute_policy_re_encodes_running_rows_when_someone_joins():
-    sched = Scheduler(max_prefill_tokens=1000, policy=RecomputeOnJoin())
-    a, b = req("a", 5), req("b", 5)
-    sched.add(a)
-    sched.schedule(free_rows=4)
-    sched.add(b)
-    out = sched.schedule(free_rows=3)
-    assert out.prefill == [b] and out.recompute == [a] and out.decode == []
-    assert sched.schedule(free_rows=3).decode == [a, b]
 
 
 def test_remove_from_waiting_and_has_work():
