@@ -49,6 +49,7 @@ from neuron_lmi.backends.host import (
     visible_gpu_count,
     visible_neuron_cores,
 )
+from neuron_lmi.config.options import BACKEND_REQUESTS, ROLLING_BATCH_REQUESTS
 
 __all__ = [
     "BACKEND_NAMES",
@@ -68,25 +69,16 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-REQUESTS = ("auto", "cpu", "neuron", "vllm")
-BACKENDS = REQUESTS  # what --backend accepts (kept under its old name)
+REQUESTS = BACKEND_REQUESTS  # what --backend accepts
+BACKENDS = REQUESTS  # (kept under its old name)
 BACKEND_NAMES = ("cpu", "neuron-nxdi", "neuron-tnx", "vllm", "vllm-neuron")
 NEURON_BACKENDS = ("neuron-nxdi", "neuron-tnx", "vllm-neuron")
 MODEL_LOADERS = ("nxdi", "tnx", "vllm")
 NEURON_PIP_REPOSITORY = "https://pip.repos.neuron.amazonaws.com"
 
 
-# option.rolling_batch value -> requested backend. "disable" keeps continuous batching on (it is
-# the only mode this project has) and lets the host decide; TensorRT-LLM has no equivalent here.
-ROLLING_BATCH_TO_BACKEND = {
-    "auto": "auto",
-    "disable": "auto",
-    "scheduler": "auto",
-    "vllm": "vllm",
-    "lmi-dist": "vllm",
-    "tnx": "neuron",
-    "neuronx": "neuron",
-}
+# option.rolling_batch value -> requested backend: the configuration's one table.
+ROLLING_BATCH_TO_BACKEND = ROLLING_BATCH_REQUESTS
 LMI_ENGINES = ("python", "mpi")
 
 NO_NEURON_LIBRARY = (

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from neuron_lmi.config.options import BACKEND_REQUESTS
+
 if TYPE_CHECKING:
     from neuron_lmi.config import ResolvedConfig
     from neuron_lmi.engine.protocol import Engine
@@ -46,9 +48,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--model", dest="model_id", help="smollm2, a local dir or .gguf, s3://..., or a Hub id")
     p.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 under SageMaker)")
     p.add_argument("--port", type=int, help="port (default 8080)")
-    p.add_argument(
-        "--backend", choices=("auto", "cpu", "neuron", "vllm"), help="engine backend (default auto)"
-    )
+    p.add_argument("--backend", choices=BACKEND_REQUESTS, help="engine backend (default auto)")
     p.add_argument("--properties", help="an LMI serving.properties file (or the folder holding one)")
     p.add_argument("--max-rolling-batch-size", type=int, help="KV rows = concurrent requests (default 32)")
     p.add_argument("--n-positions", type=int, help="max tokens per sequence, prompt included")

@@ -9,14 +9,34 @@ what is out of range. The loader maps pydantic's errors back to the LMI key, val
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+# What --backend asks for, and what LMI's option.rolling_batch asks for: the one table that the
+# configuration's types, the command line and dispatch (neuron_lmi.backends.dispatch) all read.
+BACKEND_REQUESTS = ("auto", "cpu", "neuron", "vllm")
+# "disable" keeps continuous batching on (the only mode here) and lets the host decide; "cpu" is
+# this project's own; TensorRT-LLM has no equivalent here.
+ROLLING_BATCH_REQUESTS: Mapping[str, str] = MappingProxyType(
+    {
+        "auto": "auto",
+        "disable": "auto",
+        "scheduler": "auto",
+        "vllm": "vllm",
+        "lmi-dist": "vllm",
+        "tnx": "neuron",
+        "neuronx": "neuron",
+        "cpu": "cpu",
+    }
+)
+
 Dtype = Literal["fp32", "bf16", "fp16"]
-RollingBatch = Literal["auto", "tnx", "vllm", "cpu", "disable"]
+RollingBatch = Literal[tuple(ROLLING_BATCH_REQUESTS)]  # type: ignore[valid-type]
 GroupQueryAttention = Literal["shard-over-heads", "shard-over-batch", "replicated-heads", "all-gather-heads"]
-Backend = Literal["auto", "cpu", "neuron", "vllm"]
+Backend = Literal[BACKEND_REQUESTS]  # type: ignore[valid-type]
 Engine = Literal["Python", "MPI"]
 # LMI's option.quantize: static_int8 (transformers-neuronx), int8/int4 weight-only (NxD Inference,
 # CPU), fp8 (NxD Inference on trn2).

@@ -173,3 +173,19 @@ def test_neuron_builders_wrap_the_runner_in_the_rolling_batch_engine(
     assert (engine.max_batch_size, engine.n_positions) == (N_ROWS, N_POSITIONS)
     assert engine.max_queue_size == resolved.config.batching.max_queue_size
     assert engine.core.eos_token_ids  # read from config.json / the tokenizer
+
+
+def test_one_table_of_backend_requests_feeds_config_cli_and_dispatch() -> None:
+    import typing
+
+    from neuron_lmi.config.options import BACKEND_REQUESTS, ROLLING_BATCH_REQUESTS, Backend, RollingBatch
+
+    assert (
+        typing.get_args(RollingBatch)
+        == tuple(ROLLING_BATCH_REQUESTS)
+        == tuple(dispatch.ROLLING_BATCH_TO_BACKEND)
+    )
+    assert typing.get_args(Backend) == BACKEND_REQUESTS == dispatch.REQUESTS
+    for alias in ROLLING_BATCH_REQUESTS:  # every value the configuration takes, dispatch resolves
+        assert dispatch.requested_from_lmi(None, alias) in BACKEND_REQUESTS
+    assert dispatch.requested_from_lmi(None, "lmi-dist") == "vllm"
