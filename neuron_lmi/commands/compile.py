@@ -35,6 +35,7 @@ from typing import Any
 
 from compile_cache.key import GQA_STRATEGIES, TARGETS
 from neuron_lmi.commands.cache import human_size
+from neuron_lmi.config.options import DEFAULT_MODEL
 
 CLI_FIELDS = (
     "model_id",
@@ -135,7 +136,7 @@ def _served_model(args: argparse.Namespace, resolved: Any) -> tuple[Path, Any, A
     from neuron_lmi.models.loader import resolve_model_path
 
     cfg = resolved.config
-    path = resolve_model_path(cfg.model.model_id or "smollm2")
+    path = resolve_model_path(cfg.model.model_id or DEFAULT_MODEL)
     options = CpuEngineOptions(
         model=str(path),
         dtype=_cpu_dtype(args, resolved),

@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from neuron_lmi.config.options import DEFAULT_MODEL
 from neuron_lmi.engine.types import InvalidRequestError, SamplingParams
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="generate text for one prompt on the CPU engine")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--model", default="smollm2", help="smollm2, a Hugging Face directory or a .gguf file")
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"{DEFAULT_MODEL}, a Hugging Face directory or a .gguf file"
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)

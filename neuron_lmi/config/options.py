@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+DEFAULT_MODEL = "smollm2"  # the built-in model every command and engine serves when none is named
+
 # What --backend asks for, and what LMI's option.rolling_batch asks for: the one table that the
 # configuration's types, the command line and dispatch (neuron_lmi.backends.dispatch) all read.
 BACKEND_REQUESTS = ("auto", "cpu", "neuron", "vllm")

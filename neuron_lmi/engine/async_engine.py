@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from neuron_lmi.config.options import DEFAULT_MODEL
 from neuron_lmi.engine.admission import Capacity, check_accepting
 from neuron_lmi.engine.build import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.engine.core import EngineCore
@@ -77,7 +78,7 @@ class AsyncEngine:
     @classmethod
     def from_options(
         cls,
-        model: str = "smollm2",
+        model: str = DEFAULT_MODEL,
         *,
         max_queue_size: int = 256,
         policy: JoinPolicy | None = None,

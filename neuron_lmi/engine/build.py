@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from neuron_lmi.config.options import DEFAULT_MODEL
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.scheduler import JoinPolicy
 
@@ -58,7 +59,7 @@ def resolve_cpu_dtype(dtype: str | None) -> str:
 class CpuEngineOptions:
     """What the CPU engine is built from; LMI names in comments."""
 
-    model: str = "smollm2"  # option.model_id
+    model: str = DEFAULT_MODEL  # option.model_id
     dtype: str = "fp32"  # option.dtype; "auto": bf16 on CPUs with native bf16, else fp32
     max_rolling_batch_size: int = 32  # option.max_rolling_batch_size
     n_positions: int | None = None  # option.n_positions (default: min(max_position_embeddings, 2048))

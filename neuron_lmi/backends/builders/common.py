@@ -11,12 +11,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from neuron_lmi.config.options import DEFAULT_MODEL
+
 if TYPE_CHECKING:
     from compile_cache import CompileCache
     from neuron_lmi.config import ResolvedConfig
     from neuron_lmi.engine.async_engine import AsyncEngine
 
-DEFAULT_MODEL = "smollm2"
 DEFAULT_PREFILL_TOKENS = 4096
 
 
