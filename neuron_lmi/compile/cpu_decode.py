@@ -11,26 +11,20 @@ an extend and a decode, and no row of the cache is padding (the window graph it 
 row below the highest stepping one). Inductor compiles it with
 ``freezing``: the weights become constants it packs for oneDNN and fuses around (norms, rotary,
 SiLU, residuals, in a few C++ loops; the decode attention is one C++ op, ``models.decode_attention``),
-which is what makes it pay: on a 2-core Intel AVX-512/AMX host, SmolLM2's decode step at
-32 rows took 56 ms (bf16) and 94 ms (fp32) against 77-89 ms and 146 ms eager with packed weights,
-and 32 ms against about 37 ms at 2 rows. The dense GEMMs run where ``packed_gemm_library`` says:
-in fp32 a packed GEMM through ``neuron_lmi::mkl_linear`` on Intel CPUs or
-``neuron_lmi::onednn_linear`` on others (``models.packed_linear``): on the Intel host 79 against
-102 ms for ATen's GEMM at 32 rows, 43 against 67 at 8, the same at one row; on a 2-core AMD EPYC
-(Zen 5) 44 against 95 ms at 32 rows, 15 against 26 at one. In bf16 oneDNN's op on those other
-hosts, Inductor's own CPU templates on Intel (``BF16_DECODE_CONFIGS``). Eager remains the path of
+which is what makes it pay (docs/measurements.md). The dense GEMMs run where
+``packed_gemm_library`` says: in fp32 a packed GEMM through ``neuron_lmi::mkl_linear`` on Intel CPUs
+or ``neuron_lmi::onednn_linear`` on others (``models.packed_linear``); in bf16 oneDNN's op on those
+other hosts, Inductor's own CPU templates on Intel (``BF16_DECODE_CONFIGS``). Eager remains the path of
 the parity tests (``CpuEngineOptions.compile_graphs=False``, ``option.enforce_eager``).
 
 With ``option.quantize`` the weights stay quantized in the decode graph: it calls torch's packed
 int8/int4 kernels (``aten._weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``, which Inductor
-lowers to extern calls) and compiles everything around them. On SmolLM2 with its GGUF's Q4_1 codes
-a one-row step took 10 ms against 24-27 ms eager; of those 10 ms, 7.5 are the kernels.
+lowers to extern calls) and compiles everything around them.
 
 Frozen weights make the package depend on the weights' *values*: the cache key holds a content
 fingerprint of the weight files, the model's architecture, dtype, quantization, rows, positions,
-the torch version and the CPU's instruction set. A compile takes about 100 s (fp32) to 250 s (bf16,
-autotuned) for SmolLM2 on two cores; the entry is stored in the compile cache, and later starts
-load it in about a second. Steps outside the package's range (the last position of a full-length
+the torch version and the CPU's instruction set. A compile takes minutes; the entry is stored in the
+compile cache, and later starts load it. Steps outside the package's range (the last position of a full-length
 row; more tokens than ``token_limit``; chunks whose attention ``CHUNK_PAIR_LIMIT`` leaves to the
 extend graph's SDPA) run the other way.
 """
@@ -70,10 +64,9 @@ PACKAGE_FILE = "step.pt2"
 # Baked into the package and part of the key. Weights live inside the package: they are frozen.
 DECODE_INDUCTOR_CONFIGS = MappingProxyType({"freezing": True, "aot_inductor.package_constants_in_so": True})
 # bf16 decode GEMMs: Inductor's CPU GEMM templates (AMX / AVX-512 micro-kernels, fused with their
-# neighbours) autotuned against ATen/oneDNN at a decode of nearly every row. Measured on SmolLM2 (2-core
-# AVX-512/AMX host, packages timed interleaved): 52 against 67 ms a step at 32 rows, 25 against
-# 40 at 8, 20 against 34 at 2, for a compile of about 250 s instead of 100. In fp32 the templates
-# gained nothing at 32 rows (220 against 208 ms), so fp32 keeps ATen.
+# neighbours) autotuned against ATen/oneDNN at a decode of nearly every row: faster at every row
+# count in bf16 for a compile two and a half times as long; nothing gained in fp32, which keeps ATen
+# (docs/measurements.md).
 BF16_DECODE_CONFIGS = MappingProxyType({"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"})
 # Per graph: bump when StepGraph / ExtendGraph or their inputs change what a package
 # computes or expects (the version is part of the key, so old entries stop matching).
@@ -89,8 +82,8 @@ CHUNK_PAIR_LIMIT = 32_768
 
 def inductor_configs(dtype: torch.dtype, graph: str, quantized: bool = False) -> dict[str, object]:
     """What Inductor compiles ``graph`` (``step`` or ``extend``) with; part of the key.
-    Quantized decodes are not autotuned: the int4 template, tuned at a full window, took 17 ms a
-    one-row step on SmolLM2 against 10 ms for torch's packed kernel (2-core AMX host)."""
+    Quantized decodes are not autotuned: the int4 template was slower than torch's packed kernel
+    (docs/measurements.md)."""
     configs = dict(DECODE_INDUCTOR_CONFIGS)
     if graph == "step" and dtype == torch.bfloat16 and not quantized:
         configs.update(BF16_DECODE_CONFIGS)
@@ -119,14 +112,10 @@ def packed_gemm_library(model: LlamaForCausalLM, graph: str) -> str | None:
     (``packed_linear``: ``mkl`` or ``onednn``), or None for what Inductor picks itself.
 
     fp32: the decode calls the host's (``packed_linear.host_library``). The extend calls oneDNN's where
-    that is the host's: on a 2-core AMD EPYC (Zen 5) a 60-token SmolLM2 prompt took 42 against
-    113 ms for ATen's GEMM, a 256-token one 157 against 352 ms. On Intel it keeps ATen's GEMM, which
-    MKL's packs did not beat there (60 to 256 rows: 113-119 against 119-142 ms for a 60-token prompt,
-    295-314 ms both for a 256-token one).
+    that is the host's; on Intel it keeps ATen's GEMM, which MKL's packs did not beat there.
 
-    bf16: oneDNN's where it is the host's library: on the AMD host a decode step at 32 rows took 25.9
-    against 30.4 ms with Inductor's autotuned choice (ATen's GEMM there), a 60-token prompt 24.7
-    against 31.4 ms. On Intel, Inductor's AMX templates and ATen's GEMM, autotuned.
+    bf16: oneDNN's where it is the host's library; on Intel, Inductor's AMX templates and ATen's GEMM,
+    autotuned. (Measurements: docs/measurements.md.)
 
     A weight goes through the op where ``quant.linear`` routes it: a 2-D tensor of the model's dtype
     (not an expert stack, not a quantized weight)."""

@@ -5,11 +5,9 @@ Prefill is an extend from position 0, so one graph, exported with a dynamic numb
 (``1 <= n <= n_rows``), chunk length (``1 <= T < n_positions``) and attention length
 (``2 <= L < n_positions``), serves prompts, chunks of long prompts and the rest of a prompt after a
 reused prefix. Freezing lets Inductor pack the weights for oneDNN and fuse the elementwise work
-(norms, rotary, SiLU, residuals, masks) that dominates short eager prefills: on this project's
-2-core AVX-512/AMX host a 60-token SmolLM2 prompt took 38 ms against 64 ms eager in bf16 and
-114 ms against 232 ms in fp32, eight of them at once 133 against 179 ms (bf16). A compile takes
-about three minutes for SmolLM2 on two cores, once per model, dtype and cache shape; later starts
-load it from the compile cache.
+(norms, rotary, SiLU, residuals, masks) that dominates short eager prefills (docs/measurements.md).
+A compile takes minutes, once per model, dtype and cache shape; later starts load it from the
+compile cache.
 """
 
 from __future__ import annotations

@@ -118,8 +118,8 @@ ATTENTION_ENV = "NEURON_LMI_DECODE_ATTENTION"  # "op" or "inductor": instead of 
 def decode_attention_form() -> str:
     """Which attention the decode graphs trace: ``op`` (``models.decode_attention``, whose AVX-512
     code is written by hand) on CPUs with AVX-512, ``inductor`` (``compiled_decode_attention``, which
-    Inductor compiles into its own loops) elsewhere: built without AVX-512 the op's plain loops took
-    12.3 ms for SmolLM2's 30 layers at 124 positions (fp32) against 9.2 ms for the Inductor form.
+    Inductor compiles into its own loops) elsewhere, where the op's plain loops were the slower
+    (docs/measurements.md).
     ``NEURON_LMI_DECODE_ATTENTION`` overrides the rule; the form is part of the compile-cache keys."""
     forced = os.environ.get(ATTENTION_ENV)
     if forced:

@@ -280,8 +280,7 @@ def engine_environment(env: Mapping[str, str]) -> dict[str, str]:
 
     OpenMP's wait policy is left to libgomp's default (spin ~300k iterations, then sleep). Sleeping
     workers (``OMP_WAIT_POLICY=PASSIVE``) pay a futex wake-up in each of a step's ~600 parallel
-    regions: on SmolLM2 bf16 behind the HTTP server (2 cores shared with the API process) that was
-    237 against 292 tok/s at 32 streams and 16.6 against 23.5 tok/s for one, TTFT 99 against 57 ms.
+    regions, which cost a fifth of the throughput behind the HTTP server (docs/measurements.md).
     """
     out = dict(env)
     if not any(key in out for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):

@@ -114,7 +114,7 @@ def filter_logits(
 
     top_k applies first, top_p to what it leaves (renormalised). The candidates are the
     ``TOP_CANDIDATES`` most likely tokens (or the largest top_k, when every row sets one) rather than
-    a sort of the whole vocabulary (a [64, 49152] sort cost 250-450 ms a step on 2 cores); the whole
+    a sort of the whole vocabulary (which cost more than a model step: docs/measurements.md); the whole
     vocabulary is sorted only when some row's top_p mass is not reached within the candidates.
     """
     if bool((min_p > 0).any()):

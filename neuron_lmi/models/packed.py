@@ -2,18 +2,9 @@
 
 ``F.linear`` reads an ``[out, in]`` weight in its stored row-major layout and re-blocks it on every
 call; oneDNN's packed (blocked) layout is made once at load, and each call runs the GEMM kernel on
-it directly. Measured on this project's 2-core AVX-512/AMX host with torch 2.13, SmolLM2's
-gate|up weight (576 x 3072):
-
-    rows   fp32 F.linear / packed   bf16 F.linear / packed
-    1      162 / 203 us             226 / 148 us
-    32     2625 / 893 us            492 / 348 us
-    2048   71 / 76 ms               9.9 / 6.2 ms
-
-In the whole SmolLM2 decode step (weights streaming from memory, not hot in cache, fused
-attention) bf16 went from 45.5 to 37.2 ms at batch 1 and from 87.6 to 71.4 ms at batch 32; fp32
-went from 34.7 to 49.9 ms at batch 1 and from 112.4 to 107.0 ms at batch 32, so only bf16 is
-packed here (fp32's compiled graphs multiply on packs of their own: ``models.packed_linear``).
+it directly. In the whole SmolLM2 decode step that paid in bf16 and not in fp32
+(docs/measurements.md), so only bf16 is packed here (fp32's compiled graphs multiply on packs of
+their own: ``models.packed_linear``).
 :func:`pack_model` is a transform applied after loading, like ``quantize.quantize_model``: every
 dense 2-D weight a layer names in ``linear_weights``, and ``lm_head``, becomes a
 :class:`PackedLinear`; ``quant.linear`` calls it like any weight module.

@@ -5,18 +5,9 @@ A decode step multiplies a few rows by every weight, and the weights stream from
 ``mm`` an fp32 AOTInductor package calls on its frozen weights is MKL's plain SGEMM, which re-blocks
 the weight on every call. A weight blocked once, in MKL's packed layout (``cblas_sgemm_pack``, which
 torch exposes as ``mkl::_mkl_linear``) or in oneDNN's (``mkldnn::_linear_pointwise``), runs those
-shapes faster; which of the two depends on the CPU. All of SmolLM2's decode GEMMs (30 layers and the
-49152 x 576 head), one step, 2 threads, torch 2.13 (``python -m bench.packed_linear``):
-
-    host                         rows   F.linear   oneDNN packed   MKL packed
-    Intel Xeon, AVX-512 + AMX    1      21 ms      42 ms           29-33 ms
-                                 8      74 ms      57 ms           49 ms
-                                 32     88-103 ms  80-95 ms        58-66 ms
-    AMD EPYC (Zen 5), AVX-512    1      33 ms      17 ms           26 ms
-                                 8      46 ms      16 ms           49 ms
-                                 32     70 ms      28 ms           80 ms
-
-MKL runs its AVX-512 kernels on Intel CPUs only; on others oneDNN's are more than twice as fast.
+shapes faster; which of the two depends on the CPU (``python -m bench.packed_linear``; figures in
+docs/measurements.md): MKL runs its AVX-512 kernels on Intel CPUs only; on others oneDNN's are more
+than twice as fast.
 ``host_library`` picks by the CPU's vendor (``NEURON_LMI_PACKED_GEMM`` overrides it).
 
 Inductor uses packed GEMMs itself in JIT mode only: in an AOT package a pack cannot be a constant
@@ -30,8 +21,8 @@ the eager engine's: ``tests/compile/test_cpu_graphs.py``).
 
 Inside a package, AOTInductor's proxy executor calls an op through the dispatcher. The kernels are
 native (``packed_linear.cpp``, built on first use with the other ops' kernels: ``models.native``):
-a Python kernel costs about 30 us a call there, 3.5 ms over SmolLM2's 121 GEMMs a step, which made a
-one-row step slower than ATen's. Where the build fails (no C++ compiler) the Python kernels below run
+a Python kernel's per-call cost there, over a step's hundred-odd GEMMs, made a one-row step slower
+than ATen's. Where the build fails (no C++ compiler) the Python kernels below run
 instead, with a warning. Importing this module defines the ops; ``kernel()`` registers their CPU
 kernels, which tracing (``tracing_packed_linears``) and opening a package (``cpu_aot.load_package``)
 do first.

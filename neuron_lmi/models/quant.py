@@ -153,10 +153,9 @@ class QuantizedLinear(nn.Module):
 
     # torch's packed kernels are matrix-vector loops whose time grows with every input row (at 64
     # rows 6-8x a bf16 GEMM); from this many rows on (prefill, large decode batches) dequantizing the
-    # weight and running one GEMM is cheaper. int8 on SmolLM2's shapes (bf16, 2 cores), summed over
-    # one decode step's matmuls: kernel 57 / 108 / 137 ms at 16 / 32 / 40 rows against 124 / 139 /
-    # 139 ms dequantized, so the crossover is at 40; below it the compiled decode's window (up to
-    # ``gemm_min_rows - 1`` rows) covers a full 32-row batch.
+    # weight and running one GEMM is cheaper (the crossover measured on SmolLM2's shapes:
+    # docs/measurements.md); below it the compiled step (up to ``gemm_min_rows - 1`` rows) covers a
+    # full 32-row batch.
     gemm_min_rows = 40
 
     def __init__(self, out_features: int, in_features: int) -> None:
