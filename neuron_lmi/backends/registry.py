@@ -8,8 +8,8 @@ A backend's module registers its builder when it is imported (``register(name, b
 ``neuron_lmi.commands``, and no backend does either.
 
     cpu          neuron_lmi.backends.builders.cpu          the torch reference engine
-    neuron-tnx   neuron_lmi.backends.builders.neuron_tnx   transformers-neuronx runner
-    neuron-nxdi  neuron_lmi.backends.builders.neuron_nxdi  NxD Inference runner
+    neuron-tnx   neuron_lmi.backends.tnx.build   transformers-neuronx runner
+    neuron-nxdi  neuron_lmi.backends.nxdi.build  NxD Inference runner
     vllm         gpu_fallback.serve                        vLLM on CUDA
     vllm-neuron  gpu_fallback.serve                        vLLM with the vllm-neuron plugin
 """
@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 BUILTIN_MODULES: Mapping[str, str] = MappingProxyType(
     {
         "cpu": "neuron_lmi.backends.builders.cpu",
-        "neuron-tnx": "neuron_lmi.backends.builders.neuron_tnx",
-        "neuron-nxdi": "neuron_lmi.backends.builders.neuron_nxdi",
+        "neuron-tnx": "neuron_lmi.backends.tnx.build",
+        "neuron-nxdi": "neuron_lmi.backends.nxdi.build",
         "vllm": "gpu_fallback.serve",
         "vllm-neuron": "gpu_fallback.serve",
     }

@@ -283,13 +283,13 @@ def _tnx(args: argparse.Namespace, resolved: Any) -> tuple[dict[str, Any], Any]:
     """(dry-run description, compile thunk) for transformers-neuronx, built as serve builds it."""
     from compile_cache import architecture_config
     from neuron_lmi.backends.host import TNX, installed_version
-    from neuron_lmi.backends.neuron import compile_spec_from_config
-    from neuron_lmi.compile.neuron import (
+    from neuron_lmi.backends.tnx.compile import (
         compile_neuron_entry,
         neuron_key_inputs,
         plan_neuron_compile,
         sampling_class_path,
     )
+    from neuron_lmi.backends.tnx.runner import compile_spec_from_config
 
     model_dir, config = _neuron_model_config(resolved)
     spec = compile_spec_from_config(resolved.config, str(model_dir), _neuron_tp(resolved))

@@ -14,7 +14,7 @@ import torch
 
 from neuron_lmi.backends import dispatch, registry
 from neuron_lmi.backends.dispatch import BackendProbe
-from neuron_lmi.backends.neuron import NeuronRunner
+from neuron_lmi.backends.tnx.runner import NeuronRunner
 from neuron_lmi.config import load_config
 from neuron_lmi.testing.tnx_contract import ContractModel
 
@@ -138,7 +138,7 @@ def test_build_engine_fails_at_start_up_on_a_neuron_host_without_a_library(
 @pytest.mark.parametrize(
     ("backend", "module", "function"),
     [
-        ("neuron-tnx", "neuron_lmi.backends.neuron", "build_neuron_runner"),
+        ("neuron-tnx", "neuron_lmi.backends.tnx.runner", "build_neuron_runner"),
         ("neuron-nxdi", "neuron_lmi.backends.nxdi.runner", "build_nxdi_runner"),
     ],
 )

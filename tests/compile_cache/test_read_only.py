@@ -228,8 +228,8 @@ def test_neuronx_cc_cache_never_points_at_a_read_only_compiled_graph_path(
 ) -> None:
     """neuronx-cc writes and locks in ``NEURON_COMPILE_CACHE_URL``; LMI's ``option.compiled_graph_path``
     sets it, unless that folder is read-only (then it goes beside the writable store)."""
-    from neuron_lmi.backends.neuron_args import NeuronCompileSpec
-    from neuron_lmi.compile.neuron import neuron_cache_url, plan_neuron_compile
+    from neuron_lmi.backends.tnx.args import NeuronCompileSpec
+    from neuron_lmi.backends.tnx.compile import neuron_cache_url, plan_neuron_compile
 
     real_access = os.access
     read_only = tmp_path / "opt" / "ml" / "model" / "compiled"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from compile_cache import CompileCache
-from neuron_lmi.backends.neuron import NeuronRunner, build_neuron_runner, compile_spec_from_config
+from neuron_lmi.backends.tnx.runner import NeuronRunner, build_neuron_runner, compile_spec_from_config
 from neuron_lmi.config import load_config
 from neuron_lmi.engine.build import eos_ids_for
 from neuron_lmi.engine.core import EngineCore

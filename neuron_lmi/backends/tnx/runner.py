@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from cache_api import RowTable
-from neuron_lmi.backends.neuron_args import (
+from neuron_lmi.backends.row_batch import check_prompts, token_batch
+from neuron_lmi.backends.tnx.args import (
     MappedNeuronArgs,
     NeuronCompileSpec,
     build_neuron_config,
     map_compile_spec,
 )
-from neuron_lmi.backends.row_batch import check_prompts, token_batch
 
 if TYPE_CHECKING:
     from compile_cache import CompileCache
@@ -212,7 +212,7 @@ def load_compiled_model(
     ``save``) is the one served, never built a second time. ``compiler_version`` defaults to the
     installed neuronx-cc's (it is part of the cache key)."""
     from compile_cache import architecture_config
-    from neuron_lmi.compile.neuron import (
+    from neuron_lmi.backends.tnx.compile import (
         compile_neuron_entry,
         load_neuron_model,
         neuron_key_inputs,

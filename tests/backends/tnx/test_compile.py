@@ -14,9 +14,9 @@ from typing import Any, ClassVar
 import pytest
 
 from compile_cache import CompileCache
-from neuron_lmi.backends.neuron_args import NeuronCompileSpec
+from neuron_lmi.backends.tnx import compile as neuron
+from neuron_lmi.backends.tnx.args import NeuronCompileSpec
 from neuron_lmi.cli import main
-from neuron_lmi.compile import neuron
 
 
 class _Recorder:
@@ -188,7 +188,7 @@ def test_compile_spec_from_config_takes_every_neuron_option(tiny_llama_dir: Path
     """The one spec builder serve and ``neuron-lmi compile --target neuron`` share."""
     import json
 
-    from neuron_lmi.backends.neuron import compile_spec_from_config
+    from neuron_lmi.backends.tnx.runner import compile_spec_from_config
     from neuron_lmi.config import load_config
 
     model = tmp_path / "config-only"  # a dry run's model folder may hold only config.json
@@ -245,7 +245,7 @@ def test_real_library_builds_the_config(tmp_path: Path) -> None:
     pytest.importorskip(
         "transformers_neuronx", reason="transformers-neuronx (AWS Neuron SDK) is not installed"
     )
-    from neuron_lmi.backends.neuron_args import build_neuron_config
+    from neuron_lmi.backends.tnx.args import build_neuron_config
 
     mapped = neuron.plan_neuron_compile(_spec(tmp_path), CompileCache(tmp_path), {})
     assert build_neuron_config(mapped) is not None

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from neuron_lmi.backends.neuron_args import (
+from neuron_lmi.backends.tnx.args import (
     MappedNeuronArgs,
     NeuronCompileSpec,
     build_neuron_config,

@@ -15,7 +15,7 @@ from neuron_lmi.backends.builders.common import (
 
 
 def build_tnx_engine(request: registry.BuildRequest) -> Any:
-    from neuron_lmi.backends.neuron import build_neuron_runner
+    from neuron_lmi.backends.tnx.runner import build_neuron_runner
 
     path = fetch(request.resolved, request.env)
     resolved = with_model_defaults(request.resolved, path)

@@ -30,7 +30,7 @@ from typing import Any
 
 from compile_cache import CacheKeyInputs, CompileCache, is_writable_dir
 from neuron_lmi.backends.host import installed_version
-from neuron_lmi.backends.neuron_args import (
+from neuron_lmi.backends.tnx.args import (
     MappedNeuronArgs,
     NeuronCompileSpec,
     build_neuron_config,
