@@ -123,7 +123,7 @@ def server_command(name: str, args: argparse.Namespace, model_dir: Path, port: i
         return [
             sys.executable,
             "-m",
-            "gpu_fallback.serve",
+            "neuron_lmi.cli",
             "serve",
             "--backend",
             "vllm",

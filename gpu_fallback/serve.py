@@ -64,17 +64,3 @@ def build_vllm_neuron_engine(request: registry.BuildRequest) -> VllmEngine:
 
 registry.register("vllm", build_vllm_engine)
 registry.register("vllm-neuron", build_vllm_neuron_engine)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m gpu_fallback.serve serve --backend vllm ...``: the neuron-lmi CLI (kept for scripts
-    and the vLLM test tier that start the server this way)."""
-    import sys
-
-    from neuron_lmi.cli import main as cli_main
-
-    return cli_main(sys.argv[1:] if argv is None else argv)
-
-
-if __name__ == "__main__":  # vLLM's worker processes re-import the caller: start nothing on import
-    raise SystemExit(main())

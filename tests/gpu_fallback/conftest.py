@@ -151,7 +151,7 @@ def start_vllm_server(env: dict[str, str], model_dir: Path, tmp: Path, args: lis
         # vLLM's prefix caching is on by default (as in its server); a cached prefix changes CPU numerics
         # slightly, and this suite compares greedy ids with transformers token for token.
         env={**env, "OPTION_ENABLE_PREFIX_CACHING": "false"},
-        command=[sys.executable, "-m", "gpu_fallback.serve"],
+        command=[sys.executable, "-m", "neuron_lmi.cli"],
     )
 
 
