@@ -23,8 +23,8 @@ from compile_cache.key import (
     TARGETS,
     CacheKeyInputs,
     architecture_config,
-    context_buckets,
     fingerprint_weights,
+    halved_context_buckets,
     normalize_dtype,
     token_generation_buckets,
 )
@@ -109,7 +109,7 @@ def key_inputs_from_args(args: argparse.Namespace) -> CacheKeyInputs:
         raise ValueError(f"{config_path}: not valid JSON ({exc})") from exc
     n_positions = args.n_positions or min(int(config.get("max_position_embeddings", 4096)), 4096)
     tokens = tuple(_int_list(args.token_buckets) or token_generation_buckets(n_positions))
-    contexts = context_buckets(tokens, _int_list(args.context_length_estimate))
+    contexts = halved_context_buckets(tokens, _int_list(args.context_length_estimate))
     compiler, package = DEFAULT_COMPILERS[args.target]
     version = args.compiler_version
     if not version:

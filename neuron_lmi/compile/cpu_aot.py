@@ -31,7 +31,12 @@ from typing import Any
 
 import torch
 
-from compile_cache.key import CacheKeyInputs, context_buckets, fingerprint_weights, token_generation_buckets
+from compile_cache.key import (
+    CacheKeyInputs,
+    fingerprint_weights,
+    halved_context_buckets,
+    token_generation_buckets,
+)
 from neuron_lmi.compile.graphs import (
     DecodeGraph,
     PrefillGraph,
@@ -90,7 +95,9 @@ class CpuPlan:
         """transformers-neuronx's buckets: tokens double from 128 to ``n_positions``; contexts are the
         estimate, else half of each token bucket."""
         tokens = token_generation_buckets(n_positions)
-        return cls(n_rows, n_positions, dtype, context_buckets(tokens, context_length_estimate), tokens)
+        return cls(
+            n_rows, n_positions, dtype, halved_context_buckets(tokens, context_length_estimate), tokens
+        )
 
     def graphs(self) -> list[tuple[str, int]]:
         """``(kind, size)`` of every graph, prefill first."""

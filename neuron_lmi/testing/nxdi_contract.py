@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from compile_cache.key import token_generation_buckets
-from neuron_lmi.backends.nxdi.plan import context_encoding_buckets
+from neuron_lmi.backends.nxdi.plan import nxdi_context_buckets
 from neuron_lmi.models.llama import LlamaForCausalLM
 
 
@@ -82,7 +82,7 @@ class NxdiContractModel:
         self.batch_size = batch_size
         self.seq_len = seq_len
         estimate = tuple(context_length_estimate) if context_length_estimate else None
-        self.context_buckets = list(context_encoding_buckets(seq_len, estimate))
+        self.context_buckets = list(nxdi_context_buckets(seq_len, estimate))
         self.token_buckets = list(token_generation_buckets(seq_len, 128))
         self.cache = model.make_cache(batch_size, seq_len)
         for _ in range(batch_size):

@@ -28,8 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from neuron_lmi.backends.tnx.args import context_buckets as tnx_context_buckets
-from neuron_lmi.backends.tnx.args import token_buckets as tnx_token_buckets
+from neuron_lmi.backends.tnx.args import tnx_context_buckets, tnx_token_buckets
 from neuron_lmi.models.llama import LlamaForCausalLM
 
 

@@ -15,8 +15,8 @@ from compile_cache.key import (
     KEY_LENGTH,
     CacheKeyInputs,
     architecture_config,
-    context_buckets,
     fingerprint_weights,
+    halved_context_buckets,
     token_generation_buckets,
 )
 
@@ -137,8 +137,8 @@ def test_architecture_config_drops_only_volatile_keys() -> None:
 def test_bucket_helpers_follow_transformers_neuronx() -> None:
     assert token_generation_buckets(2048) == (128, 256, 512, 1024, 2048)
     assert token_generation_buckets(600) == (128, 256, 512, 600)
-    assert context_buckets((128, 256, 512)) == (64, 128, 256)
-    assert context_buckets((128, 256), [512, 128]) == (128, 512)
+    assert halved_context_buckets((128, 256, 512)) == (64, 128, 256)
+    assert halved_context_buckets((128, 256), [512, 128]) == (128, 512)
 
 
 def _write_safetensors(path: Path, values: bytes, shape: tuple[int, ...]) -> None:

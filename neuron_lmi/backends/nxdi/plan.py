@@ -234,7 +234,7 @@ class NxdiPlan:
         }
 
 
-def context_encoding_buckets(n_positions: int, estimate: tuple[int, ...] | None) -> tuple[int, ...]:
+def nxdi_context_buckets(n_positions: int, estimate: tuple[int, ...] | None) -> tuple[int, ...]:
     """``context_length_estimate`` plus ``n_positions``, else powers of two from 128 to ``n_positions``.
 
     NxD Inference picks the smallest bucket longer than the prompt, or the largest when the prompt
@@ -362,7 +362,7 @@ def plan_nxdi(
         batching.max_rolling_batch_size,
         resolve_tp(config, tp_degree),
     )
-    context = context_encoding_buckets(n_positions, batching.context_length_estimate)
+    context = nxdi_context_buckets(n_positions, batching.context_length_estimate)
     tokens = token_generation_buckets(n_positions, MIN_BUCKET)
     kwargs: dict[str, Any] = {
         "tp_degree": tp,

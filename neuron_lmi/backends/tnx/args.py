@@ -136,14 +136,14 @@ class MappedNeuronArgs:
         return {"from_pretrained_kwargs": self.from_pretrained_kwargs, "neuron_config": self.neuron_config}
 
 
-def token_buckets(n_positions: int) -> tuple[int, ...]:
+def tnx_token_buckets(n_positions: int) -> tuple[int, ...]:
     """``bucket.token_sizes``: 128, 256, ... doubling while below ``n_positions``, then ``n_positions``."""
     if isinstance(n_positions, bool) or not isinstance(n_positions, int) or n_positions < 1:
         raise ValueError(f"n_positions must be a positive integer, got {n_positions!r}")
     return token_generation_buckets(n_positions, MIN_BUCKET)
 
 
-def context_buckets(
+def tnx_context_buckets(
     n_positions: int, context_length_estimate: tuple[int, ...] | None = None
 ) -> tuple[int, ...]:
     """The context-encoding buckets: the given estimates sorted, else the token buckets, so the
@@ -151,14 +151,14 @@ def context_buckets(
     ``n_positions / 2``; we pass these as ``context_length_estimate``)."""
     if context_length_estimate:
         return tuple(sorted(context_length_estimate))
-    return token_buckets(n_positions)
+    return tnx_token_buckets(n_positions)
 
 
 def map_compile_spec(spec: NeuronCompileSpec, existing_cc_flags: str = "") -> MappedNeuronArgs:
     """Pure mapping; ``existing_cc_flags`` is the caller's current ``NEURON_CC_FLAGS`` (kept first,
     as LMI appends to it).  A flag already present is not repeated; an ``-O``/``--optlevel`` flag
     already present is replaced by ``neuron_optimize_level`` when that is set."""
-    contexts = context_buckets(spec.n_positions, spec.context_length_estimate)
+    contexts = tnx_context_buckets(spec.n_positions, spec.context_length_estimate)
     kwargs: dict[str, Any] = {
         "batch_size": spec.batch_size,
         "tp_degree": spec.tp_degree,
@@ -179,7 +179,7 @@ def map_compile_spec(spec: NeuronCompileSpec, existing_cc_flags: str = "") -> Ma
         from_pretrained_kwargs=kwargs,
         neuron_config=neuron_config,
         env=_environment(spec, existing_cc_flags),
-        token_buckets=token_buckets(spec.n_positions),
+        token_buckets=tnx_token_buckets(spec.n_positions),
         context_buckets=contexts,
         gqa_strategy=effective,
         notes=(note,) if note else (),

@@ -12,9 +12,9 @@ from neuron_lmi.backends.tnx.args import (
     MappedNeuronArgs,
     NeuronCompileSpec,
     build_neuron_config,
-    context_buckets,
     map_compile_spec,
-    token_buckets,
+    tnx_context_buckets,
+    tnx_token_buckets,
 )
 
 
@@ -135,11 +135,11 @@ def test_dtype_to_amp(dtype, amp):
     ],
 )
 def test_token_buckets_double_from_128(n_positions, tokens):
-    assert token_buckets(n_positions) == tokens
+    assert tnx_token_buckets(n_positions) == tokens
     # Context buckets reach n_positions (the library's default would stop at half of it).
-    assert context_buckets(n_positions) == tokens
-    assert context_buckets(n_positions)[-1] == n_positions
-    assert context_buckets(n_positions, (100, 50)) == (50, 100)  # estimates are kept as given
+    assert tnx_context_buckets(n_positions) == tokens
+    assert tnx_context_buckets(n_positions)[-1] == n_positions
+    assert tnx_context_buckets(n_positions, (100, 50)) == (50, 100)  # estimates are kept as given
 
 
 def test_gqa_names_are_normalised():
