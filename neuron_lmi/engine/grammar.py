@@ -5,8 +5,12 @@
     every token:  state.accept(token)
 
 A matcher that finished (or failed) allows only EOS, so a constrained request ends right after its
-output is complete. JSON is generated compactly (no free whitespace between tokens): a model cannot
-spin on spaces until ``max_tokens``, and every schema-valid value stays reachable.
+output is complete. JSON allows whitespace between its tokens, as vLLM configures llguidance by
+default (``whitespace_flexible``, unless ``disable_any_whitespace``) and as its default xgrammar
+backend does (``any_whitespace``): a model writes JSON with the newlines and indentation it learned,
+and a schema can still forbid them (``"x-guidance": {"whitespace_flexible": false}``). Forbidding
+them made models that format JSON pick worse tokens where a newline belonged (runs to
+``max_tokens`` repeating an array item, where vLLM's output ended).
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from neuron_lmi.engine.types import GrammarKind, GrammarSpec, InvalidRequestErro
 
 log = logging.getLogger(__name__)
 
-# llguidance's JSON compiler options: no optional whitespace, "," and ":" separators.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+# llguidance's JSON compiler options, vLLM's defaults: whitespace allowed between tokens.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": True}
 ANY_OBJECT = '{"type":"object"}'
 
 

@@ -229,7 +229,9 @@ class ProcessEngine:
         if request_id in self._live:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
         mailbox = Mailbox(asyncio.get_running_loop())
-        live = _Live(mailbox, TextStream(self._tokenizer, ids, params.stop, self._decode), len(ids))
+        decode = self._decode if params.skip_special_tokens else text_decoder(self._tokenizer, False)
+        text = TextStream(self._tokenizer, ids, params.stop, decode, params.stop_text)
+        live = _Live(mailbox, text, len(ids))
         return self._stream(request_id, ids, params, live)
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
