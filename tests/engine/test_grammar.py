@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from neuron_lmi.engine.grammar import GrammarCompiler
+from neuron_lmi.engine.grammar import MAX_INDENT, GrammarCompiler
 from neuron_lmi.engine.types import GrammarSpec
 
 ORDERED: dict[str, Any] = {
@@ -69,3 +69,13 @@ def test_a_schema_can_still_forbid_whitespace(compiler: GrammarCompiler) -> None
     compact = GrammarSpec.json_schema({**ORDERED, "x-guidance": {"whitespace_flexible": False}})
     assert takes(compiler, compact, json.dumps(VALUE, separators=(",", ":")))
     assert not takes(compiler, compact, json.dumps(VALUE, indent=2))
+
+
+def test_a_gap_holds_one_line_break_and_bounded_indentation(compiler: GrammarCompiler) -> None:
+    """Enough for pretty-printed JSON, not for a run a model could spin on until max_tokens."""
+    spec = GrammarSpec.json_schema(ORDERED)
+    deep = '{\n' + " " * MAX_INDENT + '"reasoning": "x", "answer": 1, "confidence": 1}'
+    assert takes(compiler, spec, deep)
+    too_deep = "{" + " " * (MAX_INDENT + 1) + '"reasoning": "x", "answer": 1, "confidence": 1}'
+    assert not takes(compiler, spec, too_deep)
+    assert not takes(compiler, spec, '{\n\n"reasoning": "x", "answer": 1, "confidence": 1}')
