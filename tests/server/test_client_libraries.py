@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from text_generation import AsyncClient, Client
 from text_generation.types import Grammar, GrammarType, Message
 
@@ -30,7 +30,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::U
 
 
 class Weather(BaseModel):
-    """A forecast request, as a tool's arguments or a structured answer."""
+    """A forecast request, as a tool's arguments or a structured answer (no other properties:
+    ``additionalProperties: false``, which clients' strict modes also imply)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     city: str = Field(max_length=10)
     unit: Literal["celsius", "fahrenheit"]
@@ -131,11 +134,17 @@ def test_langchain_structured_output(tool_server: ServerProcess, method: str) ->
 
 
 def test_langchain_json_mode_gives_an_object(tool_server: ServerProcess) -> None:
+    import openai
+
     llm = _chat_model(tool_server, max_tokens=200)
-    structured = llm.with_structured_output(None, method="json_mode", include_raw=True)
-    raw = structured.invoke(ASK + " Answer in JSON.")
-    finish = raw["raw"].response_metadata["finish_reason"]
-    assert finish == "length" or isinstance(raw["parsed"], dict), raw
+    structured = llm.with_structured_output(None, method="json_mode")
+    try:
+        answer = structured.invoke(ASK + " Answer in JSON.")
+    except openai.LengthFinishReasonError:
+        # Any object, from a random model: keys and strings of noise can fill max_tokens (a trained
+        # model ends; see docs/clients.md). The request itself was taken: json_object, no 400.
+        return
+    assert isinstance(answer, dict)
 
 
 def test_langchain_named_tool_and_round_trip(tool_server: ServerProcess) -> None:
@@ -172,7 +181,8 @@ def test_instructor_returns_validated_objects(tool_server: ServerProcess, mode: 
     answer = client.chat.completions.create(**request, **options)
     assert isinstance(answer, Weather)
     partials = list(client.chat.completions.create_partial(**request, **options))
-    assert partials and Weather.model_validate(partials[-1].model_dump()) == answer
+    # The last partial is the whole answer; instructor hands back subclasses, so compare values.
+    assert partials and Weather.model_validate(partials[-1].model_dump()).model_dump() == answer.model_dump()
 
 
 # -- LiteLLM 1.110.2 -------------------------------------------------------------------------------
