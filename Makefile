@@ -8,7 +8,7 @@ PORT ?= 8080
 MODEL ?= smollm2
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-main test-vllm lint bench clean
+.PHONY: install serve test test-main test-vllm test-clients-heavy lint bench clean
 
 install: $(VENV)/.installed
 
@@ -39,9 +39,15 @@ test-vllm:
 	VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
 		.venv-vllm/bin/python -m pytest -q -ra tests/gpu_fallback
 
+# guidellm in its own environment (it pulls datasets and transformers 5); the tests run in .venv and
+# call .venv-clients/bin/guidellm, and skip in test-main where that environment is absent.
+test-clients-heavy: install
+	bash scripts/setup_clients_env.sh
+	$(VENV)/bin/pytest -q -ra tests/clients_heavy
+
 bench: install
 	$(PY) bench/engine_throughput.py
 	$(PY) bench/continuous_batching.py
 
 clean:
-	rm -rf $(VENV) .venv-vllm .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm .venv-clients .pytest_cache .ruff_cache
