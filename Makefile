@@ -39,8 +39,8 @@ test-vllm:
 	VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
 		.venv-vllm/bin/python -m pytest -q -ra tests/gpu_fallback
 
-# guidellm in its own environment (it pulls datasets and transformers 5); the tests run in .venv and
-# call .venv-clients/bin/guidellm, and skip in test-main where that environment is absent.
+# guidellm and lm-eval in their own environment (they pull datasets and transformers 5); the tests run
+# in .venv and call .venv-clients/bin/{guidellm,lm_eval}, and skip in test-main without it.
 test-clients-heavy: install
 	bash scripts/setup_clients_env.sh
 	$(VENV)/bin/pytest -q -ra tests/clients_heavy
