@@ -5,6 +5,7 @@ engine's (``neuron_lmi.engine.types``); the engine still checks them for callers
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -35,5 +36,11 @@ class RequestModel(BaseModel):
     def _null_is_unset(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        names = {field.alias or name for name, field in cls.model_fields.items()} | set(cls.model_fields)
+        names = _field_names(cls)
         return {key: value for key, value in data.items() if value is not None or key not in names}
+
+
+@functools.cache
+def _field_names(model: type[BaseModel]) -> frozenset[str]:
+    """A model's field names as a body may spell them (name or alias), computed once per model."""
+    return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
