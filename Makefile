@@ -8,7 +8,7 @@ PORT ?= 8080
 MODEL ?= smollm2
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-main test-vllm test-nxdi lint bench clean
+.PHONY: install serve test test-main test-vllm test-nxdi test-clients-heavy lint bench clean
 
 install: $(VENV)/.installed
 
@@ -46,9 +46,15 @@ test-nxdi: install
 	$(PIP) install -q -e '.[nxdi-tier]'
 	$(VENV)/bin/pytest -q -ra tests/backends/nxdi_library
 
+# guidellm and lm-eval in their own environment (they pull datasets and transformers 5); the tests run
+# in .venv and call .venv-clients/bin/{guidellm,lm_eval}, and skip in test-main without it.
+test-clients-heavy: install
+	bash scripts/setup_clients_env.sh
+	$(VENV)/bin/pytest -q -ra tests/clients_heavy
+
 bench: install
 	$(PY) bench/engine_throughput.py
 	$(PY) bench/continuous_batching.py
 
 clean:
-	rm -rf $(VENV) .venv-vllm .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm .venv-clients .pytest_cache .ruff_cache

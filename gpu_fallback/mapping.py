@@ -18,6 +18,7 @@ from neuron_lmi.engine.types import (
     InvalidRequestError,
     PromptToken,
     SamplingParams,
+    StopText,
     TokenEvent,
     TopToken,
 )
@@ -46,10 +47,12 @@ def sampling_kwargs(params: SamplingParams, defaults: Mapping[str, Any] | None =
     ``logprobs`` is requested (at least 0: the sampled token alone) unless the caller said it does
     not read them (``params.logprobs`` False, as for OpenAI requests without ``logprobs`` and LMI/TGI
     requests without ``details``/``top_n_tokens``): computing them costs vLLM throughput.
-    ``top_n_tokens`` adds that many alternatives. Stop strings are cut from the text, as LMI and
-    TGI do. ``defaults`` (the model's generation_config.json, as vLLM's server reads it) fill the
-    fields the request left unset (``params.unset``), as vLLM's server does: request, then model,
-    then the neutral value.
+    ``top_n_tokens`` adds that many alternatives. Stop strings are cut from the text as OpenAI does,
+    or kept (``include_stop_str_in_output``) for vLLM's flag and for TGI/LMI, whose text keeps them
+    (vLLM ends the text with the stop string, TGI with the token that completed it: the same text
+    unless a stop string ends inside a token). ``defaults`` (the model's generation_config.json, as
+    vLLM's server reads it) fill the fields the request left unset (``params.unset``), as vLLM's
+    server does: request, then model, then the neutral value.
     """
     kwargs = {
         "n": 1,
@@ -62,8 +65,8 @@ def sampling_kwargs(params: SamplingParams, defaults: Mapping[str, Any] | None =
         "stop": list(params.stop) or None,
         "ignore_eos": params.ignore_eos,
         "logprobs": params.top_n_tokens if params.logprobs or params.top_n_tokens else None,
-        "include_stop_str_in_output": False,
-        "skip_special_tokens": True,
+        "include_stop_str_in_output": params.stop_text is not StopText.CUT,
+        "skip_special_tokens": params.skip_special_tokens,
     }
     kwargs.update(_non_neutral(params))
     for name in DEFAULTABLE:
@@ -81,6 +84,7 @@ def _non_neutral(params: SamplingParams) -> dict[str, Any]:
         "min_p": params.min_p,
         "min_tokens": params.min_tokens,
         "logit_bias": dict(params.logit_bias),
+        "stop_token_ids": list(params.stop_token_ids),
         "structured_outputs": structured_outputs(params.grammar),
     }
     out = {name: value for name, value in extras.items() if value}
@@ -90,14 +94,22 @@ def _non_neutral(params: SamplingParams) -> dict[str, Any]:
 
 
 def structured_outputs(grammar: GrammarSpec | None) -> dict[str, Any] | None:
-    """Keyword arguments for vLLM's ``StructuredOutputsParams`` (the backend builds it). JSON is
-    compact, as on the CPU engine (``disable_any_whitespace``)."""
+    """Keyword arguments for vLLM's ``StructuredOutputsParams`` (the backend builds it). JSON takes
+    vLLM's defaults (whitespace allowed), as on the CPU engine; the llguidance options a schema
+    carries (``x-guidance``, from ``structured_outputs``' whitespace fields) become vLLM's own."""
     if grammar is None:
         return None
     if grammar.kind is GrammarKind.JSON_SCHEMA:
-        return {"json": grammar.schema(), "disable_any_whitespace": True}
+        schema = grammar.schema()
+        options = schema.pop("x-guidance", None) if isinstance(schema, dict) else None
+        out: dict[str, Any] = {"json": schema}
+        if options and options.get("whitespace_flexible") is False:
+            out["disable_any_whitespace"] = True
+        if options and options.get("whitespace_pattern") is not None:
+            out["whitespace_pattern"] = options["whitespace_pattern"]
+        return out
     if grammar.kind is GrammarKind.JSON_OBJECT:
-        return {"json_object": True, "disable_any_whitespace": True}
+        return {"json_object": True}
     if grammar.kind is GrammarKind.REGEX:
         return {"regex": grammar.value}
     return {"grammar": grammar.value}

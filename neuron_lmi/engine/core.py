@@ -113,8 +113,8 @@ class EngineCore:
             request_id=request_id,
             prompt_ids=ids,
             params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
-            stops=StopMatcher(params.stop),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, None, params.skip_special_tokens),
+            stops=StopMatcher(params.stop, params.stop_text),
             generator=generator,
             sink=sink,
             grammar=self.grammars.state(params.grammar) if params.grammar is not None else None,
@@ -297,7 +297,7 @@ class EngineCore:
             request.grammar.accept(token)
         params = request.params
         finish: FinishReason | None = None
-        if token in self.eos_token_ids and not params.ignore_eos:
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             finish, text = FinishReason.EOS_TOKEN, ""
         else:
             text, hit = request.stops.add(request.detokenizer.add(token))

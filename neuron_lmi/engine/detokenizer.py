@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from neuron_lmi.engine.stops import StopMatcher
-from neuron_lmi.engine.types import FinishReason
+from neuron_lmi.engine.types import FinishReason, StopText
 
 # Prompt tokens kept as left context, so the first generated token decodes with its space.
 CONTEXT_TOKENS = 5
@@ -25,12 +25,14 @@ CONTEXT_TOKENS = 5
 Decode = Callable[[list[int]], str]
 
 
-def text_decoder(tokenizer: Any) -> Decode:
-    """``ids -> text`` with special tokens skipped and no clean-up, as fast as the tokenizer allows."""
+def text_decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Decode:
+    """``ids -> text`` with special tokens skipped (unless asked not to) and no clean-up, as fast as
+    the tokenizer allows."""
+    skip = skip_special_tokens
     backend = _plain_fast_backend(tokenizer)
     if backend is not None:
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)  # type: ignore[no-any-return]
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # type: ignore[no-any-return]
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip)  # type: ignore[no-any-return]
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)  # type: ignore[no-any-return]
 
 
 def _plain_fast_backend(tokenizer: Any) -> Any:
@@ -58,8 +60,14 @@ class IncrementalDetokenizer:
 
     __slots__ = ("_decode", "_prefix_text", "ids", "prefix_offset", "read_offset")
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], decode: Decode | None = None) -> None:
-        self._decode = decode or text_decoder(tokenizer)
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids: Sequence[int],
+        decode: Decode | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._decode = decode or text_decoder(tokenizer, skip_special_tokens)
         self.ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -101,10 +109,15 @@ class TextStream:
     __slots__ = ("detokenizer", "stops")
 
     def __init__(
-        self, tokenizer: Any, prompt_ids: Sequence[int], stops: tuple[str, ...], decode: Decode | None = None
+        self,
+        tokenizer: Any,
+        prompt_ids: Sequence[int],
+        stops: tuple[str, ...],
+        decode: Decode | None = None,
+        stop_text: StopText = StopText.CUT,
     ) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, decode)
-        self.stops = StopMatcher(stops)
+        self.stops = StopMatcher(stops, stop_text)
 
     def add(self, token_id: int, finish: FinishReason | None) -> tuple[str, FinishReason | None]:
         if finish is FinishReason.EOS_TOKEN:

@@ -5,8 +5,18 @@
     every token:  state.accept(token)
 
 A matcher that finished (or failed) allows only EOS, so a constrained request ends right after its
-output is complete. JSON is generated compactly (no free whitespace between tokens): a model cannot
-spin on spaces until ``max_tokens``, and every schema-valid value stays reachable.
+output is complete.
+
+JSON allows whitespace between its tokens, as vLLM configures llguidance by default
+(``whitespace_flexible``, unless ``disable_any_whitespace``) and as its default xgrammar backend
+does (``any_whitespace``): a model writes JSON with the newlines and indentation it learned.
+Forbidding them made models that format JSON pick worse tokens where a newline belonged (runs to
+``max_tokens`` repeating an array item, where vLLM's output ended). One difference, on purpose: a
+gap holds at most one line break and ``MAX_INDENT`` spaces or tabs (``WHITESPACE``), enough for
+any pretty-printed JSON, where vLLM's grammars take any run of whitespace, on which a model can
+spin until ``max_tokens`` (xgrammar later added ``max_whitespace_cnt`` for that). A schema can
+still set its own (``"x-guidance": {"whitespace_pattern": ...}`` or ``{"whitespace_flexible":
+false}``; vLLM's ``structured_outputs`` fields ``whitespace_pattern``, ``disable_any_whitespace``).
 """
 
 from __future__ import annotations
@@ -26,17 +36,28 @@ from neuron_lmi.engine.types import GrammarKind, GrammarSpec, InvalidRequestErro
 
 log = logging.getLogger(__name__)
 
-# llguidance's JSON compiler options: no optional whitespace, "," and ":" separators.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
-ANY_OBJECT = '{"type":"object"}'
+# llguidance's JSON compiler options: whitespace allowed between tokens, bounded per gap.
+MAX_INDENT = 24
+WHITESPACE = rf"(\r?\n)?[\x20\x09]{{0,{MAX_INDENT}}}"
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": True, "whitespace_pattern": WHITESPACE}
+
+
+def with_json_options(schema: Any) -> Any:
+    """``schema`` with ``JSON_OPTIONS`` under ``x-guidance``, unless it sets its own whitespace (the
+    options llguidance takes as defaults would override a schema's ``whitespace_flexible``)."""
+    if not isinstance(schema, dict):
+        return schema
+    own = schema.get("x-guidance") or {}
+    if "whitespace_flexible" in own or "whitespace_pattern" in own:
+        return schema
+    return {**schema, "x-guidance": {**JSON_OPTIONS, **own}}
 
 
 def _grammar_text(spec: GrammarSpec) -> str:
     try:
-        if spec.kind is GrammarKind.JSON_SCHEMA:
-            return llguidance.LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_OPTIONS)
-        if spec.kind is GrammarKind.JSON_OBJECT:
-            return llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_OPTIONS)
+        if spec.kind in (GrammarKind.JSON_SCHEMA, GrammarKind.JSON_OBJECT):
+            schema = spec.schema()  # {"type": "object"} for JSON_OBJECT
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(with_json_options(schema)))
         if spec.kind is GrammarKind.REGEX:
             return llguidance.LLMatcher.grammar_from_regex(spec.value)
         return llguidance.grammar_from("grammar", spec.value)  # GBNF or Lark

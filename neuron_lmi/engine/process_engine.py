@@ -222,7 +222,9 @@ class ProcessEngine:
         valid = self.admission.admit(prompt, params, request_id, self._live)
         request_id, ids = valid.request_id, valid.prompt_ids
         mailbox = Mailbox(asyncio.get_running_loop())
-        live = _Live(mailbox, TextStream(self._tokenizer, ids, params.stop, self._decode), len(ids))
+        decode = self._decode if params.skip_special_tokens else text_decoder(self._tokenizer, False)
+        text = TextStream(self._tokenizer, ids, params.stop, decode, params.stop_text)
+        live = _Live(mailbox, text, len(ids))
         return self._stream(request_id, ids, params, live)
 
     def _check_accepting(self) -> None:

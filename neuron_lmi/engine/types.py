@@ -51,6 +51,16 @@ MAX_LOGIT_BIAS = 100.0
 MAX_ADDITIVE_PENALTY = 2.0
 
 
+class StopText(enum.StrEnum):
+    """What a matched stop sequence leaves in a request's text."""
+
+    CUT = "cut"  # OpenAI's: the text ends just before the stop sequence (held back until decided)
+    INCLUDE = "include"  # vLLM's include_stop_str_in_output: the text ends with the stop sequence
+    # TGI's (and LMI's): the text ends with the token that completed the stop sequence, so the
+    # tokens' texts add up to the text, streamed or not; nothing is held back.
+    TOKEN = "token"
+
+
 class GrammarKind(enum.StrEnum):
     """What ``GrammarSpec.value`` holds (vLLM's structured-output kinds, by their usual names)."""
 
@@ -65,7 +75,9 @@ class GrammarSpec:
     """A constraint on a request's whole output; hashable, so compiled grammars cache on it.
 
     Build one with the constructors (``GrammarSpec.json_schema(schema_dict)``...): a JSON schema is
-    stored as canonical JSON text, so equal schemas share one compiled grammar.
+    stored as compact JSON text with its keys in the client's order, because the grammar generates
+    an object's properties in the order the schema lists them (as OpenAI and vLLM do: a schema that
+    asks for ``reasoning`` before ``answer`` gets them in that order).
     """
 
     kind: GrammarKind
@@ -75,7 +87,7 @@ class GrammarSpec:
     def json_schema(cls, schema: Mapping[str, Any] | bool | str) -> GrammarSpec:
         if isinstance(schema, str):
             schema = json.loads(schema)
-        return cls(GrammarKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls(GrammarKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")))
 
     @classmethod
     def json_object(cls) -> GrammarSpec:
@@ -137,6 +149,12 @@ class SamplingParams:
     grammar: GrammarSpec | None = None
     # Score the prompt: None no, 0 each prompt token's log-probability, k > 0 also k alternatives.
     prompt_logprobs: int | None = None
+    # What a matched stop sequence leaves in the text (OpenAI cuts it, TGI/LMI keep it).
+    stop_text: StopText = StopText.CUT
+    # Token ids that end the request as EOS does (vLLM's stop_token_ids; printed as nothing).
+    stop_token_ids: tuple[int, ...] = ()
+    # Whether special tokens (EOS, tool-call markers...) are left out of the text (vLLM's default).
+    skip_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -200,6 +218,8 @@ class SamplingParams:
             )
         if not (0.0 <= self.min_p <= 1.0):
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be token ids (non-negative)", "stop_token_ids")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_N_TOKENS:
             raise InvalidRequestError(
                 f"prompt_logprobs must be in [0, {MAX_TOP_N_TOKENS}], got {self.prompt_logprobs!r}",

@@ -2,7 +2,10 @@
 
 ``n`` choices fan out into ``n`` engine requests (seed ``seed + i`` for choice ``i``); with several
 prompts, choice ``p * n + i`` belongs to prompt ``p``. Streams are server-sent events ending with
-``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk with ``usage`` and no choices.
+``data: [DONE]``; ``stream_options.include_usage`` adds a last chunk with ``usage`` and no choices,
+and with vLLM's ``continuous_usage_stats`` every chunk carries its choice's usage so far. ``model``
+may name the served model or be ``"tgi"``, which TGI's Messages API takes for whatever it serves
+(Hugging Face's ``text_generation`` client always sends it).
 """
 
 from __future__ import annotations
@@ -41,9 +44,11 @@ from neuron_lmi.server.schemas_openai import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatRequest,
     CompletionRequest,
+    StreamOptions,
     finish_reason,
     to_sampling,
 )
+from neuron_lmi.server.schemas_vllm import truncated
 from neuron_lmi.server.tools import (
     ToolChoiceStream,
     plan_tools,
@@ -53,6 +58,7 @@ from neuron_lmi.server.tools import (
 )
 
 router = APIRouter(prefix="/v1")
+TGI_MODEL = "tgi"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # A streamed event -> its choice object(s): one chunk each (a tool call adds chunks of its own).
 ChoiceFn = Callable[[int, TokenEvent, bool], dict[str, Any] | list[dict[str, Any]]]
@@ -63,7 +69,7 @@ def _sse(obj: Any) -> str:
 
 
 def _check_model(ctx: ServerContext, model: str | None) -> None:
-    if model is not None and model not in (ctx.model_name, ctx.engine.model_name):
+    if model is not None and model not in (ctx.model_name, ctx.engine.model_name, TGI_MODEL):
         raise ApiError(
             404,
             f"the model {model!r} does not exist; this server serves {ctx.model_name!r}",
@@ -82,12 +88,22 @@ def _fan_out(prompts: Sequence[str | list[int]], params: SamplingParams, n: int)
 
 
 def _usage(streams: Sequence[TokenStream], n: int, completion_tokens: int) -> dict[str, int]:
-    prompt = sum(s.prompt_tokens for s in streams[::n])
+    return _usage_of(sum(s.prompt_tokens for s in streams[::n]), completion_tokens)
+
+
+def _usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
-        "prompt_tokens": prompt,
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
-        "total_tokens": prompt + completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+def _usage_mode(options: StreamOptions | None) -> tuple[bool, bool]:
+    """(a last usage chunk, usage on every chunk): vLLM's continuous_usage_stats counts only with
+    include_usage."""
+    include = bool(options and options.include_usage)
+    return include, include and bool(options and options.continuous_usage_stats)
 
 
 def _completion_logprobs(events: Sequence[TokenEvent], offset: int) -> dict[str, list[Any]]:
@@ -116,32 +132,38 @@ async def _stream_body(
     head: dict[str, Any],
     streams: Sequence[TokenStream],
     n: int,
-    include_usage: bool,
+    usage_mode: tuple[bool, bool],
     choice: ChoiceFn,
     preamble: Sequence[dict[str, Any]] = (),
 ) -> AsyncIterator[str]:
     """SSE chunks for all choices as their tokens arrive, then usage (if asked) and ``[DONE]``."""
-    extra = {"usage": None} if include_usage else {}
+    include_usage, continuous = usage_mode
+    counts = [0] * len(streams)
+
+    def usage(idx: int) -> dict[str, Any]:
+        if not include_usage:
+            return {}
+        return {"usage": _usage_of(streams[idx].prompt_tokens, counts[idx]) if continuous else None}
+
     for c in preamble:
-        yield _sse({**head, "choices": [c], **extra})
+        yield _sse({**head, "choices": [c], **usage(c["index"])})
     seen: set[int] = set()
-    generated = 0
     try:
         async with contextlib.aclosing(merge(streams)) as merged:
             async for idx, event in merged:
                 failure = failure_of(event)
                 if failure is not None:
                     raise failure
-                generated += int(is_token(event))
+                counts[idx] += int(is_token(event))
                 out = choice(idx, event, idx not in seen)
                 for c in out if isinstance(out, list) else [out]:
-                    yield _sse({**head, "choices": [c], **extra})
+                    yield _sse({**head, "choices": [c], **usage(idx)})
                 seen.add(idx)
     except Exception as exc:
         yield _sse(error_body("openai", from_engine_error(exc, "openai")))
     else:
         if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(streams, n, generated)})
+            yield _sse({**head, "choices": [], "usage": _usage(streams, n, sum(counts))})
     yield "data: [DONE]\n\n"
 
 
@@ -159,6 +181,11 @@ def _completion_prompts(ctx: ServerContext, req: CompletionRequest) -> list[str 
     items: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     if not items or any(len(x) == 0 for x in items):
         raise invalid("openai", "prompt must not be empty", "prompt")
+    if req.truncate_prompt_tokens is not None:
+        limit = ctx.engine.n_positions
+        side = req.truncation_side
+        ids = [ctx.encode(x) if isinstance(x, str) else list(x) for x in items]
+        items = [truncated(x, req.truncate_prompt_tokens, side, limit) for x in ids]
     return items
 
 
@@ -202,8 +229,7 @@ async def completions(request: Request) -> Response:
         return {"index": idx, "text": prefix + e.text, "logprobs": lp, "finish_reason": fr}
 
     if req.stream:
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream_body(head, streams, req.n, usage, choice)
+        body = _stream_body(head, streams, req.n, _usage_mode(req.stream_options), choice)
         return ReleasingStreamingResponse(body, streams, media_type="text/event-stream", headers=SSE_HEADERS)
     outs = await _collect_all(request, streams)
     if prompt_only:
@@ -252,6 +278,7 @@ async def chat_completions(request: Request) -> Response:
         raise invalid("openai", "top_logprobs requires logprobs: true", "top_logprobs")
     plan = plan_tools(ctx.options, ctx.tokenizer, req)
     ids = render_chat(ctx.tokenizer, ctx.model_name, req, plan)
+    ids = truncated(ids, req.truncate_prompt_tokens, req.truncation_side, ctx.engine.n_positions)
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
     params = to_sampling(req, _chat_max_tokens(ctx, req, len(ids)), top_n, ctx.engine.n_positions)
     params = with_tool_grammar(params, plan)
@@ -273,7 +300,6 @@ async def chat_completions(request: Request) -> Response:
         return {"index": idx, "delta": {"content": e.text}, "logprobs": lp, "finish_reason": fr}
 
     if req.stream:
-        usage = bool(req.stream_options and req.stream_options.include_usage)
         roles = [
             {
                 "index": i,
@@ -284,7 +310,7 @@ async def chat_completions(request: Request) -> Response:
             for i in range(req.n)
         ]
         chunk_head = {**head, "object": "chat.completion.chunk"}
-        body = _stream_body(chunk_head, streams, req.n, usage, choice, roles)
+        body = _stream_body(chunk_head, streams, req.n, _usage_mode(req.stream_options), choice, roles)
         return ReleasingStreamingResponse(body, streams, media_type="text/event-stream", headers=SSE_HEADERS)
     outs = await _collect_all(request, streams)
     choices = []

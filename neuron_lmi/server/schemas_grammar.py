@@ -2,8 +2,12 @@
 
     OpenAI  response_format {"type": "json_object"}                       -> GrammarSpec.json_object()
             response_format {"type": "json_schema", "json_schema": {...}}  -> GrammarSpec.json_schema(schema)
+    vLLM    structured_outputs {"json" | "regex" | "grammar" | "choice" | "json_object": ...}
     TGI     parameters.grammar {"type": "json", "value": schema}           -> GrammarSpec.json_schema(schema)
             parameters.grammar {"type": "regex", "value": pattern}         -> GrammarSpec.regex(pattern)
+
+``strict: true`` is OpenAI's strict mode: an object schema that does not say otherwise gets
+``additionalProperties: false`` (``strict_schema``), so the output holds only the listed properties.
 
 Every spec is compiled once here (cached) so a schema the grammar engine cannot compile is refused
 before anything is queued, naming the field it came from.
@@ -12,16 +16,25 @@ before anything is queued, naming the field it came from.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from neuron_lmi.engine.grammar import check_grammar
 from neuron_lmi.engine.types import GrammarSpec, InvalidRequestError
 from neuron_lmi.server.errors import Family, invalid
+from neuron_lmi.server.schema_types import RequestModel
+
+if TYPE_CHECKING:
+    from neuron_lmi.server.schemas_vllm import StructuredOutputs
+
+# Keywords whose value is one subschema, a list of them, or a map of names to them.
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties")
+_LIST = ("prefixItems", "anyOf", "oneOf", "allOf")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-class _Strict(BaseModel):
+class _Strict(RequestModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
@@ -34,7 +47,8 @@ class JsonSchemaFormat(_Strict):
         description="The JSON Schema the output must validate against; absent means any JSON object.",
     )
     strict: bool | None = Field(
-        default=None, description="Accepted for compatibility: the output always follows the schema."
+        default=None,
+        description="true: objects that do not set additionalProperties get false (OpenAI's strict mode).",
     )
 
 
@@ -81,7 +95,82 @@ def response_format_grammar(fmt: ResponseFormat | None) -> GrammarSpec | None:
     schema = fmt.json_schema.schema_
     if schema is None:
         return GrammarSpec.json_object()
+    if fmt.json_schema.strict:
+        schema = strict_schema(schema)
     return _checked(GrammarSpec.json_schema(schema), "openai", "response_format.json_schema.schema")
+
+
+def strict_schema(schema: Any) -> Any:
+    """A copy of ``schema`` where every object schema that lists properties and does not say
+    otherwise has ``additionalProperties: false``, in every subschema (vLLM's guidance backend does
+    the same with ``disable_additional_properties``; its xgrammar backend by default)."""
+    if isinstance(schema, list):
+        return [strict_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = strict_schema(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = strict_schema(out[key])
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict_schema(sub) for name, sub in out[key].items()}
+    lists = any(isinstance(out.get(key), dict) for key in ("properties", "patternProperties"))
+    if lists and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def structured_outputs_grammar(so: StructuredOutputs | None) -> GrammarSpec | None:
+    """The grammar of vLLM's ``structured_outputs`` (exactly one constraint, with its options)."""
+    if so is None:
+        return None
+    field = "structured_outputs"
+    kinds = {
+        "json": so.json_ is not None,
+        "regex": so.regex is not None,
+        "choice": so.choice is not None,
+        "grammar": so.grammar is not None,
+        "json_object": bool(so.json_object),
+        "structural_tag": so.structural_tag is not None,
+    }
+    chosen = [name for name, given in kinds.items() if given]
+    if len(chosen) != 1:
+        message = f"{field} takes exactly one of {', '.join(kinds)}, got {len(chosen)}"
+        raise invalid("openai", message, field)
+    kind, where = chosen[0], f"{field}.{chosen[0]}"
+    if kind == "structural_tag":
+        raise invalid("openai", f"{where} is not supported by this server", where)
+    if kind == "regex":
+        return _checked(GrammarSpec.regex(so.regex or ""), "openai", where)
+    if kind == "grammar":
+        return _checked(GrammarSpec.ebnf(so.grammar or ""), "openai", where)
+    if kind == "choice":
+        if not so.choice:
+            raise invalid("openai", f"{where} must list at least one string", where)
+        lark = "start: " + " | ".join(json.dumps(c) for c in so.choice)
+        return _checked(GrammarSpec.ebnf(lark), "openai", where)
+    schema: Any = {"type": "object"} if kind == "json_object" else so.json_
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise invalid("openai", f"{where}: not a JSON schema: {exc}", where) from None
+    if not isinstance(schema, dict):
+        raise invalid("openai", f"{where}: a JSON schema must be an object", where)
+    if so.disable_additional_properties:
+        schema = strict_schema(schema)
+    options: dict[str, Any] = {}
+    if so.disable_any_whitespace:
+        options["whitespace_flexible"] = False
+    if so.whitespace_pattern is not None:
+        options["whitespace_pattern"] = so.whitespace_pattern
+    if options:  # llguidance reads its JSON options from the schema's x-guidance
+        schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **options}}
+    return _checked(GrammarSpec.json_schema(schema), "openai", where)
 
 
 def tgi_grammar(grammar: TgiGrammar | None, family: Family) -> GrammarSpec | None:

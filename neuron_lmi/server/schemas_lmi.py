@@ -3,7 +3,11 @@
 One request schema serves ``/invocations``, ``/generate``, ``/`` and ``/generate_stream``: LMI's
 ``{"inputs", "parameters", "stream"}``, which TGI shares. TGI's client sends every parameter it
 knows (``watermark``, ``grammar``, ``typical_p``...), so they are accepted, and refused by name
-only when set to something this server cannot honour. Response shapes differ:
+only when set to something this server cannot honour. ``parameters`` this server does not know
+are passed over with a logged warning, as LMI does (LiteLLM's SageMaker provider sends its own
+``sagemaker_base_url`` there); a known parameter of the wrong type is still refused by name. A stop
+sequence ends the text as TGI's does: the text keeps it, and the tokens' texts add up to the text.
+Response shapes differ:
 
     LMI token  {"id", "text", "log_prob", "special_token"}   (REFERENCE §2)
     TGI token  {"id", "text", "logprob", "special"}
@@ -12,17 +16,26 @@ only when set to something this server cannot honour. Response shapes differ:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from neuron_lmi.engine.types import FinishReason, InvalidRequestError, SamplingParams, TokenEvent, TopToken
+from neuron_lmi.engine.types import (
+    FinishReason,
+    InvalidRequestError,
+    SamplingParams,
+    StopText,
+    TokenEvent,
+    TopToken,
+)
 from neuron_lmi.server.errors import Family, invalid
 from neuron_lmi.server.generation import Collected
 from neuron_lmi.server.schema_types import (
     NonEmptyStr,
     PositiveInt,
     RepetitionPenalty,
+    RequestModel,
     Seed,
     Stop,
     TopK,
@@ -36,12 +49,14 @@ MAX_BEST_OF = 16  # TGI's max_best_of (its launcher's default is 2; OpenAI's n/b
 # Parameters a model's generation_config.json may default; LMI/TGI have no min_p/presence_penalty.
 DEFAULTABLE = ("temperature", "top_k", "top_p", "repetition_penalty", "frequency_penalty")
 Style = Literal["lmi", "tgi"]
+log = logging.getLogger(__name__)
 
 
-class LmiParameters(BaseModel):
-    """``parameters`` of an LMI/TGI request; None means "the server default"."""
+class LmiParameters(RequestModel):
+    """``parameters`` of an LMI/TGI request; None means "the server default". Keys it does not
+    define are kept in ``model_extra`` and passed over (``to_sampling`` logs them)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     max_new_tokens: PositiveInt | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=100.0)
@@ -79,10 +94,8 @@ class LmiParameters(BaseModel):
     ignore_eos: bool = False
 
 
-class LmiRequest(BaseModel):
+class LmiRequest(RequestModel):
     """``{"inputs": str | [str], "parameters": {...}, "stream": bool}``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     inputs: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
     parameters: LmiParameters = LmiParameters()
@@ -142,6 +155,8 @@ def to_sampling(
         unset.discard("temperature")
     _refuse_unsupported(p, family)
     _check_best_of(p, family, stream)
+    if p.model_extra:
+        log.warning("parameters this server does not use, passed over: %s", ", ".join(sorted(p.model_extra)))
     stop = (p.stop,) if isinstance(p.stop, str) else tuple(p.stop or ())
     params = SamplingParams(
         max_new_tokens=DEFAULT_MAX_NEW_TOKENS if p.max_new_tokens is None else p.max_new_tokens,
@@ -160,6 +175,7 @@ def to_sampling(
         frequency_penalty=p.frequency_penalty or 0.0,
         grammar=tgi_grammar(p.grammar, family),
         prompt_logprobs=0 if p.decoder_input_details else None,
+        stop_text=StopText.TOKEN,
     )
     try:
         params.validate(max_new_tokens_limit)

@@ -1,9 +1,10 @@
 """OpenAI request schemas (completions and chat) and their translation to engine parameters.
 
-Unknown fields are refused by name, as OpenAI does. Fields OpenAI defines but this server cannot
-honour (``suffix``: no fill-in-the-middle) are refused by name too, so a client never gets silently
-different behaviour. ``top_k``, ``repetition_penalty``, ``ignore_eos``, ``min_p`` and
-``min_tokens`` are vLLM's extensions; ``response_format`` is translated in ``schemas_grammar``.
+Unknown fields are refused by name, as OpenAI does; ``null`` means unset for every field. Fields
+OpenAI defines but this server cannot honour (``suffix``: no fill-in-the-middle) are refused by name
+too, so a client never gets silently different behaviour. ``top_k``, ``repetition_penalty``,
+``ignore_eos``, ``min_p`` and ``min_tokens`` are vLLM's extensions, and so is everything in
+``schemas_vllm``; ``response_format`` is translated in ``schemas_grammar``.
 OpenAI's ranges hold on every backend (``temperature`` 0–2, vLLM's limit too). Sampling fields
 left unset are named in ``SamplingParams.unset`` so a backend with the model's
 generation_config.json defaults (vLLM) applies them, as vLLM's server does.
@@ -13,14 +14,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+from pydantic import Field, NonNegativeInt
 
-from neuron_lmi.engine.types import InvalidRequestError, SamplingParams
+from neuron_lmi.engine.types import InvalidRequestError, SamplingParams, StopText
 from neuron_lmi.server.errors import invalid
 from neuron_lmi.server.schema_types import (
     NonEmptyStr,
     PositiveInt,
     RepetitionPenalty,
+    RequestModel,
     Seed,
     Stop,
     TokenId,
@@ -28,8 +30,14 @@ from neuron_lmi.server.schema_types import (
     TopN,
     TopP,
 )
-from neuron_lmi.server.schemas_grammar import ResponseFormat, parse_logit_bias, response_format_grammar
+from neuron_lmi.server.schemas_grammar import (
+    ResponseFormat,
+    parse_logit_bias,
+    response_format_grammar,
+    structured_outputs_grammar,
+)
 from neuron_lmi.server.schemas_tools import ToolCallIn, ToolChoice, ToolDefinition
+from neuron_lmi.server.schemas_vllm import VllmChatFields, VllmCompletionFields, VllmFields
 
 MAX_N = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -46,15 +54,14 @@ DEFAULTABLE = (
 )
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class StreamOptions(RequestModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(
+        default=False, description="Every chunk carries the usage so far (vLLM's extension)."
+    )
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class _Common(VllmFields):
     model: str | None = None
     max_tokens: PositiveInt | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)
@@ -96,10 +103,10 @@ class _Common(BaseModel):
 
     def unsupported(self) -> dict[str, bool]:
         """Field name -> whether it asks for something this server cannot do."""
-        return {}
+        return self.refused()
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(_Common, VllmCompletionFields):
     prompt: (
         NonEmptyStr
         | Annotated[list[NonEmptyStr], Field(min_length=1)]
@@ -124,7 +131,11 @@ class CompletionRequest(_Common):
     )
 
     def unsupported(self) -> dict[str, bool]:
-        return {**super().unsupported(), "suffix": self.suffix is not None}
+        return {
+            **super().unsupported(),
+            **VllmCompletionFields.refused(self),
+            "suffix": self.suffix is not None,
+        }
 
     def scores_prompt_only(self) -> bool:
         """``max_tokens: 0``: nothing is generated (the engine still runs one token, dropped)."""
@@ -136,16 +147,12 @@ class CompletionRequest(_Common):
         return True
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ContentPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -161,7 +168,7 @@ class ChatMessage(BaseModel):
         return {"role": role, "content": text}
 
 
-class ChatRequest(_Common):
+class ChatRequest(_Common, VllmChatFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
@@ -177,6 +184,9 @@ class ChatRequest(_Common):
     parallel_tool_calls: bool | None = Field(
         default=None, description="false: at most one call per answer (default true)."
     )
+
+    def unsupported(self) -> dict[str, bool]:
+        return {**super().unsupported(), **VllmChatFields.refused(self)}
 
 
 # SamplingParams field -> the OpenAI name a client would recognise in an error.
@@ -199,6 +209,9 @@ def to_sampling(
         if bad:
             reason = "the model has no fill-in-the-middle support" if name == "suffix" else "this server"
             raise invalid("openai", f"{name} is not supported by {reason}", name)
+    if req.response_format is not None and req.structured_outputs is not None:
+        message = "response_format and structured_outputs cannot both be set"
+        raise invalid("openai", message, "structured_outputs")
     if not 1 <= req.n <= MAX_N:
         raise invalid("openai", f"n must be between 1 and {MAX_N}, got {req.n}", "n")
     if isinstance(req, CompletionRequest) and req.best_of is not None:
@@ -227,8 +240,12 @@ def to_sampling(
         logit_bias=parse_logit_bias(req.logit_bias),
         min_tokens=req.min_tokens,
         min_p=req.min_p or 0.0,
-        grammar=response_format_grammar(req.response_format),
+        grammar=response_format_grammar(req.response_format)
+        or structured_outputs_grammar(req.structured_outputs),
         prompt_logprobs=_prompt_logprobs(req),
+        stop_text=StopText.INCLUDE if req.include_stop_str_in_output else StopText.CUT,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        skip_special_tokens=req.skip_special_tokens,
     )
     try:
         params.validate(limit)

@@ -132,7 +132,8 @@ class ChatChunkChoice(_Doc):
 
 class ChatCompletionChunk(_OpenAIHead):
     """One ``data:`` event; the stream ends with ``data: [DONE]``. With ``include_usage`` every chunk
-    has ``usage`` (null) and the last one has no choices and the totals."""
+    has ``usage`` (null, or with ``continuous_usage_stats`` its choice's usage so far) and the last
+    one has no choices and the totals."""
 
     object: Literal["chat.completion.chunk"]
     choices: list[ChatChunkChoice]

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from neuron_lmi.server.schema_types import RequestModel
 
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Strict(RequestModel):
+    pass
 
 
 class FunctionDefinition(_Strict):
@@ -25,13 +27,16 @@ class FunctionDefinition(_Strict):
         default=None, description="The arguments as a JSON Schema object; absent means no arguments."
     )
     strict: bool | None = Field(
-        default=None, description="Accepted for compatibility: forced calls always follow the schema."
+        default=None,
+        description="true: objects that do not set additionalProperties get false (OpenAI's strict mode).",
     )
+    defer_loading: bool | None = Field(default=None, description="No effect (vLLM's field).")
 
 
 class ToolDefinition(_Strict):
     type: Literal["function"] = Field(description="Only function tools exist.")
     function: FunctionDefinition
+    defer_loading: bool | None = Field(default=None, description="No effect (vLLM's field).")
 
 
 class FunctionName(_Strict):

@@ -33,6 +33,7 @@ from neuron_lmi.engine.grammar import check_grammar
 from neuron_lmi.engine.types import GrammarSpec, InvalidRequestError, SamplingParams, TokenEvent
 from neuron_lmi.server.errors import invalid
 from neuron_lmi.server.options import AppOptions
+from neuron_lmi.server.schemas_grammar import strict_schema
 from neuron_lmi.server.schemas_openai import ChatMessage, ChatRequest
 from neuron_lmi.server.schemas_tools import NamedToolChoice
 from neuron_lmi.server.tool_parsers import FunctionSpec, ToolCall, ToolParser, detect_parser, get_parser
@@ -76,7 +77,12 @@ def template_supports_tools(tokenizer: Any) -> bool:
 
 def _functions(req: ChatRequest) -> tuple[FunctionSpec, ...]:
     functions = tuple(
-        FunctionSpec(t.function.name, t.function.description, t.function.parameters) for t in req.tools or ()
+        FunctionSpec(
+            t.function.name,
+            t.function.description,
+            strict_schema(t.function.parameters) if t.function.strict else t.function.parameters,
+        )
+        for t in req.tools or ()
     )
     seen: set[str] = set()
     for i, fn in enumerate(functions):
@@ -217,13 +223,13 @@ def render_chat(tokenizer: Any, model_name: str, req: ChatRequest, plan: ToolPla
     if not _template_text(tokenizer):
         raise invalid("openai", f"model {model_name!r} has no chat template; use /v1/completions", "messages")
     messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = req.template_kwargs()
     if plan.builtin_prompt:
         messages = _builtin_messages(messages, plan)
     elif plan.functions:
         kwargs["tools"] = [fn.as_tool() for fn in plan.functions]
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
     except Exception as exc:  # a template may raise on e.g. roles or call ids it does not accept
         raise invalid("openai", f"chat template failed: {exc}", "messages") from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -264,8 +270,8 @@ def tool_message(plan: ToolPlan, events: Sequence[TokenEvent], text: str) -> tup
     parsed = parse_output(
         plan.parser, "".join(tool_text(e, markers) for e in events), plan.grammar is not None
     )
-    if not parsed.calls:
-        return {"role": "assistant", "content": text}, False
+    if not parsed.calls:  # a forced call cut short is no content either (parsed.content is None)
+        return {"role": "assistant", "content": text if plan.grammar is None else parsed.content}, False
     calls = [_call_json(c, plan.parser.new_id()) for c in parsed.calls]
     return {"role": "assistant", "content": parsed.content, "tool_calls": calls}, True
 

@@ -4,6 +4,7 @@ import pytest
 
 from neuron_lmi.engine.detokenizer import IncrementalDetokenizer
 from neuron_lmi.engine.stops import StopMatcher
+from neuron_lmi.engine.types import StopText
 
 
 def feed(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
@@ -45,6 +46,34 @@ def test_flush_releases_held_text_at_the_end():
 
 def test_without_stops_everything_passes_through():
     assert feed(StopMatcher(()), ["a", "b"]) == ("ab", False)
+
+
+PIECES = [" the", " primary", " col", "ors", ": red"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "texts"),
+    [
+        # OpenAI: the stop sequence is cut, and its first characters were held back meanwhile.
+        (StopText.CUT, [" the", " primary", " ", "", ""]),
+        # vLLM's include_stop_str_in_output: nothing held back, the text ends with the stop sequence.
+        (StopText.INCLUDE, [" the", " primary", " col", "ors", ":"]),
+        # TGI: every piece as it came, the last one whole.
+        (StopText.TOKEN, PIECES),
+    ],
+)
+def test_stop_modes_per_piece(mode: StopText, texts: list[str]) -> None:
+    matcher = StopMatcher(("colors:",), mode)
+    out = [matcher.add(piece) for piece in PIECES]
+    assert [text for text, _ in out] == texts
+    assert [hit for _, hit in out] == [False] * 4 + [True]
+    assert matcher.emitted_text == "".join(texts)
+
+
+def test_token_mode_texts_add_up_to_the_text_when_no_stop_matches() -> None:
+    matcher = StopMatcher(("zzz",), StopText.TOKEN)
+    assert [matcher.add(p)[0] for p in PIECES] == PIECES
+    assert matcher.flush() == ""
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 from gpu_fallback.config import VllmEngineConfig, engine_args_kwargs, load_chat_template
 from gpu_fallback.mapping import NO_TOKEN_ID, delta_to_events, map_finish_reason, sampling_kwargs, top_tokens
-from neuron_lmi.engine.types import FinishReason, SamplingParams
+from neuron_lmi.engine.types import FinishReason, SamplingParams, StopText
 
 
 def test_importing_gpu_fallback_does_not_import_vllm() -> None:
@@ -56,7 +56,14 @@ def test_sampling_kwargs() -> None:
     assert kw["max_tokens"] == 7 and kw["temperature"] == 0.5 and kw["top_k"] == 40 and kw["top_p"] == 0.9
     assert kw["repetition_penalty"] == 1.2 and kw["seed"] == 3 and kw["ignore_eos"] is True
     assert kw["stop"] == ["\n", "END"] and kw["logprobs"] == 4 and kw["n"] == 1
-    assert kw["include_stop_str_in_output"] is False
+    assert kw["include_stop_str_in_output"] is False and kw["skip_special_tokens"] is True
+    assert "stop_token_ids" not in kw
+    kept = SamplingParams(
+        stop=("x",), stop_text=StopText.TOKEN, skip_special_tokens=False, stop_token_ids=(5,)
+    )
+    kw = sampling_kwargs(kept)
+    assert kw["include_stop_str_in_output"] is True and kw["skip_special_tokens"] is False
+    assert kw["stop_token_ids"] == [5]
     greedy = sampling_kwargs(SamplingParams())
     # Greedy and no alternatives still ask for the chosen token's log-probability (logprobs=0).
     assert greedy["temperature"] == 0.0 and greedy["logprobs"] == 0 and greedy["stop"] is None

@@ -27,7 +27,8 @@ def test_non_neutral_fields_are_passed_and_neutral_ones_left_to_vllm() -> None:
     assert kw["presence_penalty"] == 0.5 and kw["frequency_penalty"] == -0.25
     assert kw["logit_bias"] == {7: 3.0, 9: -100.0}
     assert kw["min_tokens"] == 4 and kw["min_p"] == 0.1 and kw["prompt_logprobs"] == 0
-    assert kw["structured_outputs"] == {"json": SCHEMA, "disable_any_whitespace": True}
+    # vLLM's default JSON whitespace, as on the CPU engine
+    assert kw["structured_outputs"] == {"json": SCHEMA}
     plain = sampling_kwargs(SamplingParams())
     for name in (
         "presence_penalty",
@@ -49,7 +50,15 @@ def test_unset_penalties_take_the_model_defaults() -> None:
 @pytest.mark.parametrize(
     ("spec", "expected"),
     [
-        (GrammarSpec.json_object(), {"json_object": True, "disable_any_whitespace": True}),
+        (GrammarSpec.json_object(), {"json_object": True}),
+        (
+            GrammarSpec.json_schema({**SCHEMA, "x-guidance": {"whitespace_flexible": False}}),
+            {"json": SCHEMA, "disable_any_whitespace": True},
+        ),
+        (
+            GrammarSpec.json_schema({**SCHEMA, "x-guidance": {"whitespace_pattern": " ?"}}),
+            {"json": SCHEMA, "whitespace_pattern": " ?"},
+        ),
         (GrammarSpec.regex("[ab]+"), {"regex": "[ab]+"}),
         (GrammarSpec.ebnf('root ::= "x"'), {"grammar": 'root ::= "x"'}),
         (None, None),

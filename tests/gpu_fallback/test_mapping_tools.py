@@ -32,7 +32,7 @@ def test_tool_grammar_maps_to_structured_outputs(parser: str, parallel: bool) ->
     out = structured_outputs(spec)
     assert out is not None
     if spec.kind is GrammarKind.JSON_SCHEMA:
-        assert out == {"json": spec.schema(), "disable_any_whitespace": True}
+        assert out == {"json": spec.schema()}
     else:
         assert (
             out == {"grammar": spec.value} and "%json" in spec.value

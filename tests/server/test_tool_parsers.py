@@ -15,6 +15,7 @@ import pytest
 from neuron_lmi.engine.grammar import check_grammar
 from neuron_lmi.engine.types import GrammarKind, TokenEvent
 from neuron_lmi.server.tool_parsers import PARSERS, FunctionSpec, ToolCall, detect_parser, get_parser
+from neuron_lmi.server.tool_parsers.base import Parsed
 from neuron_lmi.server.tool_parsers.stream import ToolCallStream, parse_output
 
 WEATHER = {"city": "Dallas", "state": "TX", "unit": "fahrenheit"}
@@ -125,8 +126,11 @@ def test_forced_output_gets_the_parsers_prefix() -> None:
     assert _calls(parse_output(mistral, '[{"name": "f", "arguments": {"a": 1}}]', forced=True).calls) == [
         ("f", {"a": 1})
     ]
-    # a forced output cut off by max_tokens stays the model's own text
-    assert parse_output(mistral, '[{"name": "f", "argu', forced=True).content == '[{"name": "f", "argu'
+    # Cut short inside a forced call: neither a call nor content (OpenAI: finish_reason "length").
+    assert parse_output(mistral, '[{"name": "f", "argu', forced=True) == Parsed(None)
+    stream = ToolCallStream(get_parser("hermes"), forced=True)
+    assert stream.feed('<tool_call>\n{"name": "f", "argu') == ("", [])
+    assert stream.finish() == ("", [])
 
 
 def test_special_token_markers_reach_the_parser() -> None:

@@ -163,6 +163,18 @@ def test_response_format_and_a_forced_call_do_not_mix(client: openai.OpenAI, mod
     assert info.value.body["param"] == "response_format"  # type: ignore[index]
 
 
+def test_a_forced_call_cut_short_is_length_without_raw_call_text(client: openai.OpenAI, model: str) -> None:
+    """As OpenAI answers: finish_reason "length", no tool_calls, no "<tool_call>" left in content."""
+    kwargs: Any = {"model": model, "messages": ASK, "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 4}
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.tool_calls is None and not choice.message.content
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == "" and chunks[-1].choices[0].finish_reason == "length"
+    assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+
+
 def test_no_rows_leak(tool_server: ServerProcess) -> None:
     assert tool_server.wait_rows_free() == 0
 

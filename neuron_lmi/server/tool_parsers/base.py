@@ -16,11 +16,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from neuron_lmi.engine.grammar import with_json_options
 from neuron_lmi.engine.types import GrammarSpec
 
-# llguidance reads this inside a schema: JSON without free whitespace, so a model cannot spin on
-# spaces until max_tokens (the same choice as response_format's grammar).
-COMPACT = {"whitespace_flexible": False}
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -166,8 +164,9 @@ def one_of_calls(parser: ToolParser, functions: Sequence[FunctionSpec]) -> dict[
 
 
 def lark_json(schema: Mapping[str, Any]) -> str:
-    """A schema as a llguidance Lark ``%json`` rule body (compact JSON)."""
-    return "%json " + json.dumps({**schema, "x-guidance": COMPACT}, separators=(",", ":"))
+    """A schema as a llguidance Lark ``%json`` rule body, with response_format's JSON options
+    (the grammar's whitespace between tokens)."""
+    return "%json " + json.dumps(with_json_options(dict(schema)), separators=(",", ":"))
 
 
 ALNUM = string.ascii_letters + string.digits

@@ -3,7 +3,9 @@
 A stream releases content up to where a tool call might begin (the parser's ``held`` characters
 wait for the next token), then each call once the parser sees it closed; at the end the parse of
 the whole output decides what is left. With ``forced`` (a grammar made the output a call) the
-parser's ``forced_prefix`` (a special token the grammar leaves out) is put in front first.
+parser's ``forced_prefix`` (a special token the grammar leaves out) is put in front first, and an
+output that holds no complete call (it ran out of tokens inside one) is neither content nor a
+call: OpenAI answers such a choice with ``finish_reason: "length"`` and no raw call text.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from neuron_lmi.server.tool_parsers.base import Parsed, ToolCall, ToolParser
 
 
 def parse_output(parser: ToolParser, text: str, forced: bool) -> Parsed:
-    """The whole output of a finished choice; content is the output itself when no call is read."""
-    if not forced or not parser.forced_prefix:
+    """The whole output of a finished choice; content is the output itself when no call is read
+    (nothing, when a call was forced)."""
+    if not forced:
         return parser.parse(text)
     parsed = parser.parse(parser.forced_prefix + text)
-    return parsed if parsed.calls else Parsed(text)
+    return Parsed(None, parsed.calls)
 
 
 @dataclass(slots=True)
@@ -63,7 +66,7 @@ class ToolCallStream:
         parsed = self.parser.parse(self.text)
         if not parsed.calls:
             rest, self.released = self.text[self.released :], len(self.text)
-            return rest, []
+            return ("" if self.forced else rest), []
         return "", self._release(list(parsed.calls))
 
     def _release(self, calls: list[ToolCall]) -> list[ToolCall]:
