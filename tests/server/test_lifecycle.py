@@ -55,8 +55,11 @@ def test_client_disconnect_frees_row_quickly(tiny_server: ServerProcess) -> None
         next(lines)
     assert tiny_server.wait_rows_free(timeout_s=2.0) == 0
     assert tiny_server.metric("neuron_lmi_aborted_requests_total") >= before + 1
+    # Non-streamed: aborted too. Sixteen prompts on eight rows take two waves of 240 tokens, well
+    # past the client's timeout even where one 240-token answer alone fits inside it (fast hosts).
+    waves = {**LONG, "inputs": [LONG["inputs"]] * 16, "stream": False}
     with tiny_server.client(timeout=0.3) as http, pytest.raises(httpx.TimeoutException):
-        http.post("/invocations", json={**LONG, "stream": False})  # non-streamed: aborted too
+        http.post("/invocations", json=waves)
     assert tiny_server.wait_rows_free(timeout_s=2.0) == 0
     assert tiny_server.metric("neuron_lmi_aborted_requests_total") >= before + 2
 
