@@ -25,6 +25,12 @@ Run it from the vLLM environment (``scripts/setup_vllm_env.sh``); the CPU engine
 Prints throughput and TTFT of each, the ratio ours-vllm / vllm (target >= 0.95 on throughput), and
 ours-cpu / vllm.
 
+``--load long-prompt`` and ``--load long-context`` are the prefill-heavy loads (1,000-token prompts
+for 50 new tokens at 16 and 64 concurrent; 4,000-token prompts at 4): each round also prints prompt
+tokens/s and TTFT p50/p90, and the summary their ratios.
+
+    .venv-vllm/bin/python bench/vllm_compare.py --load long-prompt --dtype bf16 --out results/long.json
+
 ``--tiny`` measures serving overhead instead of the model: a 2-layer random Llama (hidden 128, head
 dim 64) with SmolLM2's tokenizer, built with the main ``.venv``, served by ``ours-cpu`` and ``vllm``
 at 64 concurrent streams (batch 64, ~60-token prompts, 128 new tokens); our rounds also print the
@@ -68,6 +74,29 @@ TINY_DEFAULTS = {
     "output_tokens": 128,
     "batch": 64,
     "n_positions": 512,
+}
+# --load long-prompt: the multi-replica load users run against TGI/LMI endpoints (1,000-token prompts,
+# 50 new tokens); --load long-context: 4,000-token prompts at n_positions 8,192. Prompts share no
+# prefix beyond a few words (neuron_lmi.bench.workload), so no prefix cache helps either side.
+LOADS = {
+    "long-prompt": {
+        "servers": "ours-cpu,vllm",
+        "concurrency": "16,64",
+        "requests": "32,64",
+        "prompt_tokens": 1000,
+        "output_tokens": 50,
+        "batch": 32,
+        "n_positions": 2048,
+    },
+    "long-context": {
+        "servers": "ours-cpu,vllm",
+        "concurrency": 4,
+        "requests": 8,
+        "prompt_tokens": 4000,
+        "output_tokens": 50,
+        "batch": 4,
+        "n_positions": 8192,
+    },
 }
 DEFAULTS = {
     "servers": "ours-vllm,vllm,ours-cpu",
@@ -326,7 +355,9 @@ def measure(names: list[str], servers: dict, args: argparse.Namespace, work: Pat
                 host = result["engine"].get("host_ms_per_full_step")
                 print(
                     f"[{key} round {round_no}] {result['output_tokens_per_s']:.1f} tok/s, "
-                    f"TTFT p50 {result['ttft_p50_ms']:.0f} ms, ITL p50/p99 {result['itl_p50_ms']:.0f}/"
+                    f"prompt {result.get('prompt_tokens_per_s', 0.0):.0f} tok/s, "
+                    f"TTFT p50/p90 {result['ttft_p50_ms']:.0f}/{result['ttft_p90_ms']:.0f} ms, "
+                    f"ITL p50/p99 {result['itl_p50_ms']:.0f}/"
                     f"{result['itl_p99_ms']:.0f} ms, errors {result['errors']}"
                     + (f", host {host:.1f} ms per full-batch step" if host is not None else ""),
                     file=sys.stderr,
@@ -357,9 +388,18 @@ def summarize(results: dict[str, list[dict]]) -> dict:
     for name in results:
         out[name] = {
             k: mean(name, k)
-            for k in ("output_tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms")
+            for k in (
+                "output_tokens_per_s",
+                "prompt_tokens_per_s",
+                "ttft_p50_ms",
+                "ttft_p90_ms",
+                "itl_p50_ms",
+                "itl_p99_ms",
+                "e2e_p50_ms",
+            )
         }
         out[name]["errors"] = sum(r["errors"] for r in results[name])
+        out[name]["startup_s"] = results[name][0].get("startup_s")  # start to ready, cold or cached
         out[name]["rounds_tokens_per_s"] = [round(r["output_tokens_per_s"], 1) for r in results[name]]
         gauges = [r.get("engine") or {} for r in results[name]]
         for key in sorted({k for g in gauges for k in g}):
@@ -370,6 +410,8 @@ def summarize(results: dict[str, list[dict]]) -> dict:
         if server != "vllm" and base in results:
             out[f"{name}/vllm"] = {
                 "throughput_ratio": out[name]["output_tokens_per_s"] / out[base]["output_tokens_per_s"],
+                "prompt_throughput_ratio": out[name]["prompt_tokens_per_s"]
+                / out[base]["prompt_tokens_per_s"],
                 # > 1 means slower first token than vLLM's own server.
                 "ttft_ratio": out[name]["ttft_p50_ms"] / out[base]["ttft_p50_ms"],
             }
@@ -381,6 +423,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tiny", action="store_true", help="serving overhead: the tiny Llama, 64 streams")
+    parser.add_argument("--load", choices=sorted(LOADS), help="a prefill-heavy load's defaults (see LOADS)")
     parser.add_argument("--servers", help=f"which servers, in order (default {DEFAULTS['servers']})")
     parser.add_argument("--rounds", type=int, default=3, help="measurements per server, order alternating")
     parser.add_argument("--concurrency", help="one level, or several comma-separated (32,1)")
@@ -398,7 +441,8 @@ def main() -> int:
     parser.add_argument("--llama-server", default=shutil.which("llama-server"), help="llama.cpp's server")
     parser.add_argument("--out", type=Path, help="write every run and the summary as JSON")
     args = parser.parse_args()
-    for key, value in (TINY_DEFAULTS if args.tiny else DEFAULTS).items():
+    defaults = TINY_DEFAULTS if args.tiny else LOADS[args.load] if args.load else DEFAULTS
+    for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if not Path(args.cpu_python).exists():

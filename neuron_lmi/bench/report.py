@@ -67,6 +67,7 @@ def summarize(run: LevelRun) -> dict[str, Any]:
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / wall,
+        "prompt_tokens_per_s": sum(r.prompt_tokens for r in ok) / wall,
         "ttft_p50_ms": _ms(percentile(ttfts, 50)),
         "ttft_p90_ms": _ms(percentile(ttfts, 90)),
         "ttft_p99_ms": _ms(percentile(ttfts, 99)),
