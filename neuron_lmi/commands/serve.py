@@ -147,7 +147,7 @@ def build_engine(resolved: ResolvedConfig, env: Mapping[str, str] | None = None)
     env = os.environ if env is None else env
     cfg = resolved.config
     requested = _requested_backend(resolved)
-    on_cpu = (cfg.neuron.override_neuron_config or {}).get("on_cpu") is True
+    on_cpu = cfg.neuron.nxdi_on_cpu
     probe = probe_host(requested, env=env, nxdi_on_cpu=on_cpu)
     choice = choose_backend(requested, probe, cfg.neuron.model_loader, nxdi_on_cpu=on_cpu)
     tp, how = resolve_tp_degree(

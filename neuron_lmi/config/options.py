@@ -258,6 +258,11 @@ class NeuronOptions(_Section):
     quantize: Quantize | None = None
     fuse_qkv: bool = False
 
+    @property
+    def nxdi_on_cpu(self) -> bool:
+        """``override_neuron_config.on_cpu``: NxD Inference's own modeling code on the CPU."""
+        return (self.override_neuron_config or {}).get("on_cpu") is True
+
     @field_validator("model_loader", mode="before")
     @classmethod
     def _loader_lower(cls, value: Any) -> Any:

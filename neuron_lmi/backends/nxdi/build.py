@@ -27,9 +27,9 @@ def build_nxdi_engine(request: registry.BuildRequest) -> Any:
     resolved = with_model_defaults(request.resolved, path)
     neuron = resolved.config.neuron
     given = neuron.compiled_graph_path
-    on_cpu = (neuron.override_neuron_config or {}).get("on_cpu") is True
     # An artifact directory is loaded as it is, and the CPU mode compiles nothing: no store is opened.
-    cache = None if on_cpu or (given and is_artifact_dir(Path(given))) else neuron_compile_cache(resolved)
+    no_store = neuron.nxdi_on_cpu or (given and is_artifact_dir(Path(given)))
+    cache = None if no_store else neuron_compile_cache(resolved)
     choice = request.choice
     version = (choice.version if choice else None) or installed_version(NXDI.distribution)
     runner = build_nxdi_runner(
