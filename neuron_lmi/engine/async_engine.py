@@ -26,6 +26,7 @@ from neuron_lmi.config.options import DEFAULT_MODEL
 from neuron_lmi.engine.admission import Capacity, check_accepting
 from neuron_lmi.engine.build import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.engine.core import EngineCore
+from neuron_lmi.engine.detokenizer import TextSink, text_stream
 from neuron_lmi.engine.request import Request
 from neuron_lmi.engine.scheduler import JoinPolicy
 from neuron_lmi.engine.step_clock import StepClock, time_runner
@@ -171,7 +172,11 @@ class AsyncEngine:
         def sink(event: TokenEvent) -> None:  # on the engine thread
             self._outbox.append((mailbox, event))
 
-        request = self.core.make_request(prompt, params, request_id, sink=sink)
+        def stop() -> None:  # a stop sequence ended it: the row is freed at the next step
+            self._aborts.put(request.request_id)
+
+        request = self.core.make_request(prompt, params, request_id)
+        request.sink = TextSink(text_stream(self.core.tokenizer, request.prompt_ids, params), sink, stop)
         return self._stream(request, mailbox)
 
     def _check_accepting(self) -> None:

@@ -1,7 +1,8 @@
 """The synchronous rolling-batch engine: scheduler decisions applied to a runner, one step at a time.
 
 Single-threaded by design: only the engine thread (or ``LLM.generate``) calls ``step``; requests
-and aborts from other threads go through ``AsyncEngine``'s queues.
+and aborts from other threads go through ``AsyncEngine``'s queues. The core works on token ids
+only: text and stop sequences are the fronts' (``engine.detokenizer.TextSink``, ``ProcessEngine``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any
 import torch
 
 from neuron_lmi.engine.admission import Admission, AdmissionLimits
-from neuron_lmi.engine.detokenizer import IncrementalDetokenizer
 from neuron_lmi.engine.grammar import GrammarCompiler
 from neuron_lmi.engine.prefix import PrefixIndex
 from neuron_lmi.engine.request import EventSink, Request, Status
@@ -24,13 +24,10 @@ from neuron_lmi.engine.scheduler import (
     DEFAULT_STEP_TOKENS,
     ChunkedPrefill,
     JoinPolicy,
-    PrefillChunk,
     PrefillPolicy,
     Scheduler,
-    SchedulerOutput,
     WholePrompts,
 )
-from neuron_lmi.engine.stops import StopMatcher
 from neuron_lmi.engine.types import (
     EngineStats,
     FinishReason,
@@ -40,7 +37,7 @@ from neuron_lmi.engine.types import (
     TokenEvent,
     TopToken,
 )
-from neuron_lmi.runners.base import ModelRunner, runner_needs, supports_extend, supports_mixed_steps
+from neuron_lmi.runners.base import BatchKind, ModelRunner, StepBatch, capabilities_of
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +48,11 @@ class EngineCore:
     Invariants: a RUNNING request holds exactly one KV row and a finished one holds none; every
     request ends with exactly one event whose ``finish_reason`` is set.
 
-    On a runner that supports ``extend`` the defaults are chunked prefill (``ChunkedPrefill``:
-    ``DEFAULT_STEP_TOKENS`` per step shared with the decodes) and prefix reuse (a finished row
-    retains its K/V until reallocated); elsewhere whole prompts within ``max_prefill_tokens``. On a
-    runner with ``mixed_steps`` (``runners.base.supports_mixed_steps``) a step is one ``extend``
-    call: its prompt chunks, and each decoding request's last token as a chunk of one.
+    The runner's ``RunnerCapabilities`` are read once, here. With ``extend`` the defaults are
+    chunked prefill (``ChunkedPrefill``: ``DEFAULT_STEP_TOKENS`` per step shared with the decodes)
+    and prefix reuse (a finished row retains its K/V until reallocated); elsewhere whole prompts
+    within ``max_prefill_tokens``. The scheduler turns the capabilities into the step's batches
+    (one mixed batch, or one per kind).
     """
 
     def __init__(
@@ -69,15 +66,16 @@ class EngineCore:
         prefix_reuse: bool = True,
     ) -> None:
         self.runner = runner
-        self.needs = runner_needs(runner)
+        self.capabilities = capabilities = capabilities_of(runner)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", []) or [])
         # Capacity is the fronts' to check (they own the queues): no queue bound here.
         limits = AdmissionLimits(runner.n_positions, runner.vocab_size, runner.rows.n_rows, 0)
         self.admission = Admission(tokenizer.encode, limits)
-        self.grammars = GrammarCompiler(tokenizer, runner.vocab_size, sorted(self.eos_token_ids))
-        extend = supports_extend(runner)
+        self._stop_ids = sorted(self.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, runner.vocab_size, self._stop_ids)
+        extend = capabilities.extend
         if prefill is None:
             step = min(DEFAULT_STEP_TOKENS, max_prefill_tokens)
             prefill = ChunkedPrefill(step, min(DEFAULT_MIN_CHUNK, step)) if extend else None
@@ -87,7 +85,7 @@ class EngineCore:
             )
         prefix = PrefixIndex(runner.rows) if extend and prefix_reuse else None
         prefill = prefill or WholePrompts(max_prefill_tokens)
-        self.scheduler = Scheduler(max_prefill_tokens, policy, prefill, prefix)
+        self.scheduler = Scheduler(max_prefill_tokens, policy, prefill, prefix, runner.rows, capabilities)
         self.requests: dict[str, Request] = {}
         self.steps = 0
         self._texts: dict[int, str] = {}  # token id -> its text alone (decoded once)
@@ -113,8 +111,6 @@ class EngineCore:
             request_id=request_id,
             prompt_ids=ids,
             params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, None, params.skip_special_tokens),
-            stops=StopMatcher(params.stop, params.stop_text),
             generator=generator,
             sink=sink,
             grammar=self.grammars.state(params.grammar) if params.grammar is not None else None,
@@ -124,7 +120,7 @@ class EngineCore:
         bad = [t for t, _ in params.logit_bias if t >= self.runner.vocab_size]
         if bad:
             raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary", "logit_bias")
-        if params.prompt_logprobs is not None and not hasattr(self.runner, "prompt_logits"):
+        if params.prompt_logprobs is not None and not self.capabilities.prompt_logits:
             message = f"{type(self.runner).__name__} cannot score prompts (prompt log-probabilities)"
             raise InvalidRequestError(message, "prompt_logprobs")
 
@@ -144,113 +140,50 @@ class EngineCore:
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
-        decision = self.scheduler.schedule(self.runner.rows.occupancy().rows_free)
-        events = self._place(decision.prefill, decision.chunks)
-        spans = {c.request: c for c in decision.chunks if c.request.status is Status.RUNNING}
-        if supports_mixed_steps(self.runner) and not decision.recompute and (spans or decision.decode):
-            stepping = [*spans, *decision.decode]
-            events += self._forward(stepping, lambda rs: self._mixed(rs, spans), isolate=True)
-        else:
-            events += self._forwards_apart(decision, spans)
+        """Schedule (the scheduler places rows and cuts batches), run each batch, apply its tokens."""
+        plan = self.scheduler.next_step()
+        events = [self._fail(request, exc, "placing") for request, exc in plan.failed]
+        for request, hit in plan.copies:
+            try:
+                self.runner.copy(hit.row, request.row, hit.length)  # type: ignore[arg-type]
+            except Exception as exc:  # a failed copy fails its request only
+                events.append(self._fail(request, exc, "copying a prefix for"))
+        for batch, requests in plan.batches:
+            events += self._run(batch, requests)
         self.steps += 1
         return events
 
-    def _forwards_apart(
-        self, decision: SchedulerOutput, spans: dict[Request, PrefillChunk]
-    ) -> list[TokenEvent]:
-        """A step as one forward per kind: fresh prompts, continued chunks, recomputed rows, decodes
-        (decodes first where every live row must step together: see ``RunnerNeeds``)."""
-        events = []
-        fresh = [r for r, c in spans.items() if c.start == 0]
-        more = [r for r, c in spans.items() if c.start > 0]
-        decode_first = self.needs.live_rows_step_together
-        if decode_first and decision.decode:
-            events += self._decode(decision.decode)
-        if fresh:
-            events += self._forward(fresh, lambda rs: self._prefill_chunks(rs, spans), isolate=True)
-        if more:
-            events += self._forward(more, lambda rs: self._extend_chunks(rs, spans), isolate=True)
-        if decision.recompute:
-            events += self._forward(decision.recompute, lambda rs: self._prefill(rs, full=True), isolate=True)
-        if decision.decode and not decode_first:
-            events += self._decode(decision.decode)
-        return events
-
-    def _decode(self, requests: list[Request]) -> list[TokenEvent]:
-        return self._forward(
-            requests, lambda rs: self.runner.decode([r.row for r in rs], [r.last_token for r in rs])
-        )
-
-    def _place(self, admitted: list[Request], chunks: list[PrefillChunk]) -> list[TokenEvent]:
-        """Give each admitted request a row: a retained source row is claimed whole (first, so no
-        other allocation takes it), a live source's prefix is copied into a fresh row."""
-        hits = {c.request: c.source for c in chunks if c.source is not None}
-        claims_first = sorted(admitted, key=lambda r: not (r in hits and hits[r].retained))
-        events = []
-        for request in claims_first:
-            hit = hits.get(request)
-            try:
-                if hit is not None and hit.retained:
-                    request.row = self.runner.rows.allocate(hit.row, keep=hit.length)
-                else:
-                    request.row = self.runner.rows.allocate()
-                    if hit is not None:
-                        self.runner.copy(hit.row, request.row, hit.length)  # type: ignore[attr-defined]
-            except Exception as exc:  # a failed placement fails its request only
-                log.exception("placing request %s failed", request.request_id)
-                events.append(self._fail(request, exc))
-        return events
-
-    def _prefill_chunks(self, requests: list[Request], spans: dict[Request, PrefillChunk]) -> torch.Tensor:
-        prompts = [r.prompt_ids[: spans[r].end] for r in requests]
-        return self.runner.prefill([r.row for r in requests], prompts)
-
-    def _extend_chunks(self, requests: list[Request], spans: dict[Request, PrefillChunk]) -> torch.Tensor:
-        for r in requests:  # idempotent, so a failed batch can be retried one request at a time
-            self.runner.rows.set_length(r.row, spans[r].start)
-        return self.runner.extend([r.row for r in requests], [spans[r].tokens for r in requests])  # type: ignore[attr-defined]
-
-    def _mixed(self, requests: list[Request], spans: dict[Request, PrefillChunk]) -> torch.Tensor:
-        """The whole step as one ``extend``: each span's chunk, and each decoding request's last
-        token after the positions its row holds."""
-        chunks = []
-        for r in requests:  # idempotent, as _extend_chunks
-            span = spans.get(r)
-            start = span.start if span is not None else len(r.prompt_ids) + len(r.output_ids) - 1
-            self.runner.rows.set_length(r.row, start)
-            chunks.append(span.tokens if span is not None else [r.last_token])
-        return self.runner.extend([r.row for r in requests], chunks)  # type: ignore[attr-defined]
-
-    def _prefill(self, requests: list[Request], full: bool) -> torch.Tensor:
-        prompts = [r.all_ids if full else r.prompt_ids for r in requests]
-        return self.runner.prefill([r.row for r in requests], prompts)
-
-    def _forward(self, requests: list[Request], run: Any, isolate: bool = False) -> list[TokenEvent]:
-        """Run one batch and sample. A failed prefill batch is retried one request at a time
-        (a prefill only overwrites its own rows), so one bad request cannot fail the others."""
+    def _run(self, batch: StepBatch, requests: list[Request]) -> list[TokenEvent]:
+        """One forward, then sampling. A failed batch other than a decode is retried line by line
+        (such a batch writes its rows from their starts), so one bad request cannot fail the rest."""
+        if any(r.status is Status.FINISHED for r in requests):  # failed before the batch ran
+            lines = [i for i, r in enumerate(requests) if r.status is not Status.FINISHED]
+            if not lines:
+                return []
+            return [e for i in lines for e in self._run(batch.line(i), [requests[i]])]
         try:
-            logits = run(requests)
-            if not all(r.prompt_done for r in requests):  # a non-final prompt chunk samples nothing
-                keep = [i for i, r in enumerate(requests) if r.prompt_done]
-                logits, requests = logits[keep], [requests[i] for i in keep]
-                if not requests:
+            logits, sampled = self.runner.forward(batch), requests
+            if not all(batch.samples):  # a non-final prompt chunk samples nothing
+                keep = [i for i, s in enumerate(batch.samples) if s]
+                logits, sampled = logits[keep], [requests[i] for i in keep]
+                if not sampled:
                     return []
             out = sample(
                 logits,
-                [r.params for r in requests],
-                [r.all_ids for r in requests],
-                [r.generator for r in requests],
-                outputs=[r.output_ids for r in requests],
-                grammars=[r.grammar for r in requests],
-                stop_ids=sorted(self.eos_token_ids),
+                [r.params for r in sampled],
+                [r.all_ids for r in sampled],
+                [r.generator for r in sampled],
+                outputs=[r.output_ids for r in sampled],
+                grammars=[r.grammar for r in sampled],
+                stop_ids=self._stop_ids,
             )
         except Exception as exc:  # one failed batch must not take the engine down
-            if isolate and len(requests) > 1:
-                return [event for r in requests for event in self._forward([r], run)]
+            if batch.kind is not BatchKind.DECODE and len(batch) > 1:
+                return [e for i, r in enumerate(requests) for e in self._run(batch.line(i), [r])]
             log.exception("model step failed for %d request(s)", len(requests))
             return [self._fail(r, exc) for r in requests]
         events = []
-        for i, request in enumerate(requests):
+        for i, request in enumerate(sampled):
             top = tuple(
                 TopToken(t, self._token_text(t), lp)
                 for t, lp in zip(out.top_ids[i], out.top_logprobs[i], strict=True)
@@ -270,7 +203,7 @@ class EngineCore:
         if top_n is None or request.output_ids:
             return None
         ids, text = request.prompt_ids, self._token_text
-        chosen, top_ids, top_lps = prompt_logprobs(self.runner.prompt_logits(ids), ids, top_n)  # type: ignore[attr-defined]
+        chosen, top_ids, top_lps = prompt_logprobs(self.runner.prompt_logits(ids), ids, top_n)
         rest = (
             PromptToken(t, text(t), lp, tuple(TopToken(a, text(a), v) for a, v in zip(ti, tv, strict=True)))
             for t, lp, ti, tv in zip(ids[1:], chosen, top_ids, top_lps, strict=True)
@@ -298,22 +231,15 @@ class EngineCore:
         params = request.params
         finish: FinishReason | None = None
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            finish, text = FinishReason.EOS_TOKEN, ""
-        else:
-            text, hit = request.stops.add(request.detokenizer.add(token))
-            finish = FinishReason.STOP_SEQUENCE if hit else None
-        if finish is None and len(request.output_ids) >= params.max_new_tokens:
+            finish = FinishReason.EOS_TOKEN
+        elif len(request.output_ids) >= params.max_new_tokens:
             finish = FinishReason.LENGTH
-        if finish in (FinishReason.EOS_TOKEN, FinishReason.LENGTH):
-            tail, hit = request.stops.add(request.detokenizer.flush())
-            text += tail if hit else tail + request.stops.flush()
-            finish = FinishReason.STOP_SEQUENCE if hit else finish
         event = TokenEvent(
             request_id=request.request_id,
             index=len(request.output_ids) - 1,
             token_id=token,
             token_text=self._token_text(token),
-            text=text,
+            text="",  # the front's (TextStream): stop sequences are matched there
             logprob=logprob,
             special=token in self.special_ids,
             prompt_tokens=len(request.prompt_ids),
@@ -326,7 +252,9 @@ class EngineCore:
         self._emit(request, event)
         return event
 
-    def _fail(self, request: Request, exc: Exception) -> TokenEvent:
+    def _fail(self, request: Request, exc: Exception, doing: str | None = None) -> TokenEvent:
+        if doing is not None:
+            log.error("%s request %s failed", doing, request.request_id, exc_info=exc)
         event = _closing_event(request, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
         self._finish(request, FinishReason.ERROR, emit=False)
         self._emit(request, event)
@@ -335,25 +263,12 @@ class EngineCore:
     def _finish(self, request: Request, reason: FinishReason, emit: bool) -> None:
         if request.status is Status.FINISHED:
             return
-        if request.row is not None:
-            self._release(request, keep_prefix=reason is not FinishReason.ERROR)
-            request.row = None
-        self.scheduler.remove(request)
+        self.scheduler.finish(request, keep_prefix=reason is not FinishReason.ERROR)
         self.requests.pop(request.request_id, None)
         request.status = Status.FINISHED
         request.finish_reason = reason
         if emit:
             self._emit(request, _closing_event(request, reason))
-
-    def _release(self, request: Request, keep_prefix: bool) -> None:
-        """Free the request's row; with prefix reuse on, the row retains its K/V for later prompts."""
-        prefix, rows = self.scheduler.prefix, self.runner.rows
-        keep = rows.length(request.row) if prefix is not None and keep_prefix else 0
-        if keep < (prefix.min_tokens if prefix is not None else 1):
-            keep = 0
-        rows.remove(request.row, keep)
-        if keep:
-            prefix.retain(request.row, request.all_ids[:keep])  # type: ignore[union-attr]
 
     @staticmethod
     def _emit(request: Request, event: TokenEvent) -> None:

@@ -5,19 +5,21 @@ SentencePiece's leading-space handling right; a window that ends in U+FFFD is an
 character and is held until the next token completes it.
 
 ``TextStream`` adds stop sequences on top: it is what turns one request's token ids into the text a
-client sees, wherever that runs (the engine thread, or the API process when the engine core runs in
-its own process). A Hugging Face *fast* tokenizer is decoded through its Rust backend directly,
+client sees. It lives in the engines' fronts only (``TextSink`` for the in-process fronts, the API
+process for ``ProcessEngine``): the core ends requests on tokens (EOS, stop ids, length) and never
+sees text. A Hugging Face *fast* tokenizer is decoded through its Rust backend directly,
 which is what ``tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)``
 does after several microseconds of Python per call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from neuron_lmi.engine.stops import StopMatcher
-from neuron_lmi.engine.types import FinishReason, StopText
+from neuron_lmi.engine.types import FinishReason, SamplingParams, StopText, TokenEvent
 
 # Prompt tokens kept as left context, so the first generated token decodes with its space.
 CONTEXT_TOKENS = 5
@@ -133,14 +135,41 @@ class TextStream:
         return text, finish
 
 
-class NoText:
-    """A detokenizer that produces no text: the engine core in its own process leaves text to the
-    API process (``TextStream`` there), so its requests carry this instead."""
+def text_stream(
+    tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams, skipping: Decode | None = None
+) -> TextStream:
+    """The ``TextStream`` of one request: its stop sequences and ``stop_text``; special tokens
+    skipped unless ``params.skip_special_tokens`` is off. ``skipping`` is the front's shared
+    ``text_decoder(tokenizer)`` (built once; made here when not given)."""
+    if params.skip_special_tokens:
+        decode = skipping or text_decoder(tokenizer)
+    else:
+        decode = text_decoder(tokenizer, False)
+    return TextStream(tokenizer, prompt_ids, params.stop, decode, params.stop_text)
 
-    __slots__ = ()
 
-    def add(self, token_id: int) -> str:
-        return ""
+class TextSink:
+    """An event sink that puts each token's text on its event (``TextStream``) before passing it
+    on. When a stop sequence ends the request here, the passed event says ``STOP_SEQUENCE`` and
+    ``on_stop`` is called (the front then aborts the request in the core); nothing after a
+    request's last event passes."""
 
-    def flush(self) -> str:
-        return ""
+    __slots__ = ("done", "on_stop", "sink", "text")
+
+    def __init__(
+        self, text: TextStream, sink: Callable[[TokenEvent], None], on_stop: Callable[[], None]
+    ) -> None:
+        self.text, self.sink, self.on_stop, self.done = text, sink, on_stop, False
+
+    def __call__(self, event: TokenEvent) -> None:
+        if self.done:
+            return
+        stopped = False
+        if event.token_id >= 0:
+            text, finish = self.text.add(event.token_id, event.finish_reason)
+            stopped = finish is FinishReason.STOP_SEQUENCE and event.finish_reason is None
+            event = dataclasses.replace(event, text=text, finish_reason=finish)
+        self.done = event.finish_reason is not None
+        self.sink(event)
+        if stopped:
+            self.on_stop()

@@ -29,9 +29,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from neuron_lmi.engine.detokenizer import NoText
 from neuron_lmi.engine.step_clock import StepClock, time_runner
-from neuron_lmi.engine.stops import StopMatcher
 from neuron_lmi.engine.types import InvalidRequestError, SamplingParams, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -143,8 +141,7 @@ class EngineLoop:
     """Drain messages, step the core, send what the step produced; repeat until STOP or EOF.
 
     Invariants: every event the core emits in an iteration leaves in that iteration's one OUT
-    message; requests carry no detokenizer or stop sequences here (``NoText``), so the core does
-    token-level work only.
+    message; the core does token-level work only (text and stop sequences are the API process's).
     """
 
     def __init__(self, core: Any, conn: Connection) -> None:
@@ -201,8 +198,6 @@ class EngineLoop:
                     log.exception("request %s could not be built", request_id)
                     self.rejected.append((request_id, f"{type(exc).__name__}: {exc}", UNEXPECTED))
                     continue
-                request.detokenizer = NoText()
-                request.stops = StopMatcher(())
                 self.core.add(request)
             elif kind == ABORT:
                 self.core.abort(message[1])

@@ -34,7 +34,7 @@ from typing import Any
 from neuron_lmi.config.options import DEFAULT_MODEL
 from neuron_lmi.engine import engine_process as wire
 from neuron_lmi.engine.admission import Admission, AdmissionLimits, Capacity, check_accepting
-from neuron_lmi.engine.detokenizer import TextStream, text_decoder
+from neuron_lmi.engine.detokenizer import TextStream, text_decoder, text_stream
 from neuron_lmi.engine.streams import Mailbox, post, read_stream
 from neuron_lmi.engine.types import (
     EngineDeadError,
@@ -222,8 +222,7 @@ class ProcessEngine:
         valid = self.admission.admit(prompt, params, request_id, self._live)
         request_id, ids = valid.request_id, valid.prompt_ids
         mailbox = Mailbox(asyncio.get_running_loop())
-        decode = self._decode if params.skip_special_tokens else text_decoder(self._tokenizer, False)
-        text = TextStream(self._tokenizer, ids, params.stop, decode, params.stop_text)
+        text = text_stream(self._tokenizer, ids, params, self._decode)
         live = _Live(mailbox, text, len(ids))
         return self._stream(request_id, ids, params, live)
 

@@ -9,9 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from neuron_lmi.engine.detokenizer import IncrementalDetokenizer
 from neuron_lmi.engine.grammar import GrammarState
-from neuron_lmi.engine.stops import StopMatcher
 from neuron_lmi.engine.types import FinishReason, SamplingParams, TokenEvent
 
 
@@ -37,8 +35,6 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
-    stops: StopMatcher
     generator: torch.Generator | None
     sink: EventSink | None = None
     grammar: GrammarState | None = None  # advanced once per generated token
@@ -63,7 +59,3 @@ class Request:
     @property
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
-
-    @property
-    def text(self) -> str:
-        return self.stops.emitted_text

@@ -1,8 +1,11 @@
-"""The rolling-batch decision for one step: which prompt tokens are computed, who decodes.
+"""The rolling-batch decision for one step, and the rows and batches that carry it out.
 
-Pure: it reads request lengths, the number of free rows and (for prefix reuse) which token ids the
-cache's rows hold, and returns a ``SchedulerOutput``; the engine applies it. Three small policy
-objects keep ``schedule`` free of feature branches:
+``Scheduler.schedule`` decides: which prompt tokens are computed, who decodes (``SchedulerOutput``).
+``Scheduler.next_step`` then owns the rows: it places admitted requests (allocating, claiming a
+retained prefix, naming the copies a live prefix needs) and cuts the step into ``StepBatch``es as
+the runner's ``RunnerCapabilities`` allow (``StepPlan``). The engine runs the plan and applies the
+tokens; ``Scheduler.finish`` releases a row, retaining its prefix. Three small policy objects keep
+``schedule`` free of feature branches:
 
 * ``PrefillPolicy`` — how many prompt tokens a step computes: ``WholePrompts`` (every prompt in
   one piece, within a prefill budget) or ``ChunkedPrefill`` (one budget shared with the running
@@ -18,8 +21,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cache_api import RowTable
 from neuron_lmi.engine.prefix import PrefixHit, PrefixIndex
 from neuron_lmi.engine.request import Request, Status
+from neuron_lmi.runners.base import BatchKind, RunnerCapabilities, StepBatch
 
 DEFAULT_STEP_TOKENS = 256
 DEFAULT_MIN_CHUNK = 32
@@ -63,6 +68,18 @@ class SchedulerOutput:
     @property
     def empty(self) -> bool:
         return not (self.prefill or self.chunks or self.recompute or self.decode)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """A step as the engine runs it: ``failed`` placements end their requests; ``copies`` (request,
+    live source) fill a placed row with its source's prefix before any batch; then ``batches`` in
+    order, each with the requests of its lines."""
+
+    decision: SchedulerOutput
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
+    copies: list[tuple[Request, PrefixHit]] = field(default_factory=list)
+    batches: list[tuple[StepBatch, list[Request]]] = field(default_factory=list)
 
 
 class PrefillPolicy(Protocol):
@@ -137,7 +154,8 @@ class Scheduler:
     Invariants: a request is in exactly one of ``waiting`` and ``running`` until it finishes; at
     least one prompt makes progress whenever one is pending and a row is free; a request decodes
     only once its whole prompt is in its row. ``schedule`` advances ``Request.prefilled`` to the end
-    of each planned chunk (the engine fails a request whose step fails).
+    of each planned chunk (the engine fails a request whose step fails). With ``rows`` (the
+    runner's table) it also owns placement and release: a RUNNING request holds one row.
     """
 
     def __init__(
@@ -146,6 +164,8 @@ class Scheduler:
         policy: JoinPolicy | None = None,
         prefill: PrefillPolicy | None = None,
         prefix: PrefixIndex | None = None,
+        rows: RowTable | None = None,
+        capabilities: RunnerCapabilities | None = None,
     ) -> None:
         if max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
@@ -153,6 +173,8 @@ class Scheduler:
         self.policy = policy or InsertRows()
         self.prefill = prefill or WholePrompts(max_prefill_tokens)
         self.prefix = prefix
+        self.rows = rows
+        self.capabilities = capabilities or RunnerCapabilities()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -198,6 +220,80 @@ class Scheduler:
             budget -= n
         return admitted
 
+    # -- rows and batches ---------------------------------------------------------------------
+    def next_step(self) -> StepPlan:
+        """Decide the step (``schedule``), place its new requests and cut it into batches."""
+        rows = self._table()
+        plan = StepPlan(self.schedule(rows.occupancy().rows_free))
+        self._place(plan)
+        placed = [c for c in plan.decision.chunks if c.request.row is not None]
+        plan.batches = self._batches(placed, plan.decision)
+        return plan
+
+    def _table(self) -> RowTable:
+        if self.rows is None:
+            raise RuntimeError("this scheduler was built without rows: it decides, but places nothing")
+        return self.rows
+
+    def _place(self, plan: StepPlan) -> None:
+        """Give each admitted request a row: a retained source row is claimed whole (first, so no
+        other allocation takes it); a live source's prefix is copied into a fresh row."""
+        rows = self._table()
+        hits = {c.request: c.source for c in plan.decision.chunks if c.source is not None}
+        claims_first = sorted(plan.decision.prefill, key=lambda r: not (r in hits and hits[r].retained))
+        for request in claims_first:
+            hit = hits.get(request)
+            try:
+                if hit is not None and hit.retained:
+                    request.row = rows.allocate(hit.row, keep=hit.length)
+                else:
+                    request.row = rows.allocate()
+                    if hit is not None:
+                        plan.copies.append((request, hit))
+            except Exception as exc:  # a failed placement fails its request only
+                plan.failed.append((request, exc))
+
+    def _batches(
+        self, chunks: list[PrefillChunk], decision: SchedulerOutput
+    ) -> list[tuple[StepBatch, list[Request]]]:
+        """One EXTEND batch where the runner mixes steps; otherwise one batch per kind: new prompts,
+        continued chunks, recomputed rows, decodes (first where every live row must step together,
+        ``RunnerCapabilities.live_rows_step_together``)."""
+        decode = decision.decode
+        if self.capabilities.mixed_steps and not decision.recompute and (chunks or decode):
+            lines = [_chunk_line(c) for c in chunks] + [_decode_line(r) for r in decode]
+            return [_batch(BatchKind.EXTEND, lines, decodes=len(decode))]
+        batches = []
+        decode_first = self.capabilities.live_rows_step_together
+        if decode and decode_first:
+            batches.append(_batch(BatchKind.DECODE, [_decode_line(r) for r in decode], len(decode)))
+        fresh = [_chunk_line(c) for c in chunks if c.start == 0]
+        more = [_chunk_line(c) for c in chunks if c.start > 0]
+        if fresh:
+            batches.append(_batch(BatchKind.PREFILL, fresh))
+        if more:
+            batches.append(_batch(BatchKind.EXTEND, more))
+        if decision.recompute:
+            lines = [(r, 0, r.all_ids, True) for r in decision.recompute]
+            batches.append(_batch(BatchKind.PREFILL, lines))
+        if decode and not decode_first:
+            batches.append(_batch(BatchKind.DECODE, [_decode_line(r) for r in decode], len(decode)))
+        return batches
+
+    def finish(self, request: Request, keep_prefix: bool) -> None:
+        """Forget a finished request and free its row; with prefix reuse on (and ``keep_prefix``),
+        the row retains the K/V of what it holds for later prompts."""
+        if request.row is not None:
+            rows, prefix = self._table(), self.prefix
+            keep = rows.length(request.row) if prefix is not None and keep_prefix else 0
+            if keep < (prefix.min_tokens if prefix is not None else 1):
+                keep = 0
+            rows.remove(request.row, keep)
+            if keep:
+                prefix.retain(request.row, request.all_ids[:keep])  # type: ignore[union-attr]
+            request.row = None
+        self.remove(request)
+
     def remove(self, request: Request) -> None:
         """Forget a finished or aborted request, wherever it is."""
         if request in self.running:
@@ -207,3 +303,28 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+_Line = tuple[Request, int, "list[int] | tuple[int, ...]", bool]  # request, start, chunk, samples
+
+
+def _chunk_line(chunk: PrefillChunk) -> _Line:
+    return (chunk.request, chunk.start, chunk.tokens, chunk.final)
+
+
+def _decode_line(request: Request) -> _Line:
+    """A decode as a line: the request's newest token, after every position its row holds."""
+    return (request, len(request.prompt_ids) + len(request.output_ids) - 1, (request.last_token,), True)
+
+
+def _batch(kind: BatchKind, lines: list[_Line], decodes: int = 0) -> tuple[StepBatch, list[Request]]:
+    requests = [line[0] for line in lines]
+    batch = StepBatch(
+        kind,
+        tuple(r.row for r in requests),  # type: ignore[misc]
+        tuple(line[1] for line in lines),
+        tuple(line[2] for line in lines),
+        tuple(line[3] for line in lines),
+        decodes,
+    )
+    return batch, requests

@@ -2,7 +2,7 @@
 
     one loop iteration = take new requests and aborts  ─┐
                          EngineCore.step()              │ host: scheduling, sampling, stop checks,
-                           └─ runner.prefill/decode ◀── │       events, sending them on
+                           └─ runner.forward ◀───────── │       events, sending them on
                          hand the events over          ─┘ model: the runner's forward calls only
 
 ``TimedRunner`` wraps a ``ModelRunner`` and adds up the time spent inside its forward calls;
@@ -19,11 +19,10 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
 from typing import Any
 
-FORWARD_METHODS = ("prefill", "decode", "extend", "prompt_logits")
-CONSTANT_ATTRIBUTES = ("rows", "vocab_size", "n_positions", "supports_extend")
+FORWARD_METHODS = ("forward", "prompt_logits")
+CONSTANT_ATTRIBUTES = ("rows", "vocab_size", "n_positions", "capabilities")
 DEFAULT_WINDOW = 256
 FULL_BATCH = 0.9  # a decode step with at least this share of the KV rows counts as a full batch
 
@@ -31,8 +30,8 @@ FULL_BATCH = 0.9  # a decode step with at least this share of the KV rows counts
 class TimedRunner:
     """A ``ModelRunner`` that also counts the seconds spent in its forward calls.
 
-    Everything else (``rows``, ``vocab_size``, optional capabilities such as ``extend``/``copy``) is
-    the wrapped runner's own: ``hasattr`` answers as it would.
+    Everything else (``rows``, ``vocab_size``, ``capabilities``, ``copy``) is the wrapped runner's
+    own. A batch's decoded rows are its ``StepBatch.decodes`` (a mixed step's one-token chunks).
     """
 
     def __init__(self, runner: Any) -> None:
@@ -49,17 +48,15 @@ class TimedRunner:
                 setattr(self, name, self._timed(method, name))
 
     def _timed(self, method: Any, name: str) -> Any:
-        def call(rows: Sequence[int], *args: Any, **kwargs: Any) -> Any:
+        def call(batch: Any) -> Any:
             start, cpu = time.perf_counter(), time.thread_time()
             try:
-                return method(rows, *args, **kwargs)
+                return method(batch)
             finally:
                 self.forward_s += time.perf_counter() - start
                 self.forward_cpu_s += time.thread_time() - cpu
-                if name == "decode":
-                    self.decoded_rows += len(rows)
-                elif name == "extend":  # a mixed step's decodes are its one-token chunks
-                    self.decoded_rows += sum(1 for chunk in args[0] if len(chunk) == 1)
+                if name == "forward":
+                    self.decoded_rows += batch.decodes
 
         return call
 

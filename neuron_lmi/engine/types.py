@@ -127,7 +127,7 @@ class SamplingParams:
     top_n_tokens: int = 0
     ignore_eos: bool = False
     # Whether the caller reads per-token log-probabilities. A backend where they cost extra (vLLM)
-    # may skip them when False and report 0.0; the CPU engine computes them anyway.
+    # may skip them when False and report 0.0; so does the CPU engine when no request of a batch asks.
     logprobs: bool = True
     # Whether the caller reads tokens as they come. False lets a backend deliver the result at once
     # (vLLM's FINAL_ONLY output, as vLLM's server does for non-streaming requests).

@@ -1,8 +1,14 @@
-"""The contract between the rolling-batch engine and a backend."""
+"""The contract between the rolling-batch engine and a backend: a step batch in, logits out.
+
+The scheduler (``engine.scheduler``) owns the rows and emits each step as one or more
+``StepBatch``es; a runner computes one batch per ``forward`` call. What a runner can do, or needs
+of the step, is its ``RunnerCapabilities``, read once when the engine is built.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -11,79 +17,128 @@ import torch
 from cache_api import RowTable
 
 
+class BatchKind(enum.Enum):
+    """What a batch's lines are, so a runner with one graph per kind picks it without looking:
+
+    PREFILL  every line starts at position 0 (a whole prompt, or its first chunk)
+    DECODE   every line is one token after the positions its row holds
+    EXTEND   lines continue their rows with chunks of any length (prompt chunks, and in a mixed
+             step decodes as one-token chunks); only for runners with ``capabilities.extend``
+    """
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    EXTEND = "extend"
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """One forward's worth of work: line ``i`` writes ``chunks[i]`` into ``rows[i]`` from position
+    ``starts[i]`` and yields the logits of its last token.
+
+    Invariants: rows are distinct and allocated; ``starts[i] + len(chunks[i]) <= n_positions``;
+    ``samples[i]`` says whether the engine samples line ``i`` (a prompt chunk that is not its
+    prompt's last samples nothing); ``decodes`` counts the lines that are a row's decode (what the
+    step clock reports as the batch size). The runner writes rows from ``starts``, whatever lengths
+    they hold, so a failed batch can be sent again line by line.
+    """
+
+    kind: BatchKind
+    rows: tuple[int, ...]
+    starts: tuple[int, ...]
+    chunks: tuple[Sequence[int], ...]
+    samples: tuple[bool, ...]
+    decodes: int = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def line(self, i: int) -> StepBatch:
+        """Line ``i`` alone, as a batch of its own kind (a failed batch's retry)."""
+        one = self.chunks[i]
+        decodes = 1 if self.kind is BatchKind.DECODE or (self.decodes and len(one) == 1) else 0
+        return StepBatch(self.kind, (self.rows[i],), (self.starts[i],), (one,), (self.samples[i],), decodes)
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerCapabilities:
+    """What a runner can do and what it asks of the step; read once when the engine is built.
+
+    ``extend``: EXTEND batches (chunks after a cached prefix) and ``copy``, so prompts may be split
+    (chunked prefill) and start from another row's prefix (prefix reuse).
+    ``mixed_steps``: one EXTEND batch may carry the step's decodes (one-token chunks) beside its
+    prompt chunks; the scheduler then emits each step as a single batch.
+    ``prompt_logits``: the runner scores whole prompts (prompt log-probabilities).
+    ``live_rows_step_together``: every row that holds a sequence must be in each DECODE batch.
+    A compiled continuous-batching graph (NxD Inference) writes a K/V entry for every line of its
+    batch; a row left out is either filled in with another line's token or rides along, and in a
+    sliding-window ring cache any such write evicts a key the row still needs. The scheduler then
+    puts the decodes before the step's new prompts, so a row being prefilled is never live during
+    a decode and every running request steps in it.
+    """
+
+    extend: bool = False
+    mixed_steps: bool = False
+    prompt_logits: bool = False
+    live_rows_step_together: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mixed_steps and not self.extend:
+            raise ValueError("mixed_steps needs extend: a mixed step is one EXTEND batch")
+
+
 class ModelRunner(Protocol):
     """One model step on one backend.
 
-    Invariants: ``prefill`` writes each prompt into its (allocated) row from position 0 and returns
-    the logits of its last token; ``decode`` appends one token to each row and returns its logits.
-    Logits are fp32 ``[len(rows), vocab]`` in the order of ``rows``. Nothing above the runner knows
-    bucket sizes or tensor layouts.
+    Invariants: ``forward`` computes one ``StepBatch`` and returns fp32 logits
+    ``[len(batch), vocab]`` in the batch's line order, leaving each row ``starts[i] +
+    len(chunks[i])`` positions long. ``copy`` (with ``capabilities.extend``) duplicates a row's
+    first ``n`` positions into another allocated row; ``prompt_logits`` (with
+    ``capabilities.prompt_logits``) scores a prompt without touching any row. Nothing above the
+    runner knows bucket sizes or tensor layouts.
     """
 
     rows: RowTable
     vocab_size: int
     n_positions: int
+    capabilities: RunnerCapabilities
 
-    def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor: ...
-
-    def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor: ...
-
-
-class ExtendingRunner(ModelRunner, Protocol):
-    """A runner that can also append to a row that already holds a prefix (optional capability).
-
-    ``extend`` writes ``chunks[i]`` after the positions ``rows[i]`` holds (attention over the cached
-    prefix and the chunk, causal, sliding window respected) and returns each chunk's last-token
-    logits; any chunk length that fits ``n_positions`` is accepted. ``copy`` duplicates a row's
-    first ``n`` positions into another allocated row. Runners without them (the Neuron runners)
-    get whole-prompt prefill from the engine.
-
-    ``mixed_steps`` (optional, read per step): a chunk of one token after a row's prefix is that
-    row's decode, and ``extend`` runs a whole step -- decodes and prompt chunks -- in one forward;
-    the engine then sends each step as one call.
-    """
-
-    supports_extend: bool
-
-    def extend(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor: ...
+    def forward(self, batch: StepBatch) -> torch.Tensor: ...
 
     def copy(self, src: int, dst: int, n: int) -> None: ...
 
-
-@dataclass(frozen=True, slots=True)
-class RunnerNeeds:
-    """What a runner asks of the engine's step, read once when the engine is built.
-
-    ``live_rows_step_together``: every row that holds a sequence must be in each ``decode`` call.
-    A compiled continuous-batching graph (NxD Inference) writes a K/V entry for every line of its
-    batch; a row left out is either filled in with another line's token or rides along, and in a
-    sliding-window ring cache any such write evicts a key the row still needs. The engine then
-    decodes before it prefills the step's new prompts, so a row being prefilled is never live
-    during a decode and every running request steps in it.
-    """
-
-    live_rows_step_together: bool = False
+    def prompt_logits(self, prompt: Sequence[int]) -> torch.Tensor: ...
 
 
-DEFAULT_NEEDS = RunnerNeeds()
+class ForwardByKind:
+    """``forward`` for a runner written as ``prefill``/``decode`` (and ``extend``) methods: a batch
+    goes to the method of its kind. An EXTEND batch first sets each row's length to its line's
+    start, which makes it idempotent (a failed batch is retried line by line)."""
+
+    # What the subclass defines (annotations only, so a delegating wrapper's ``__getattr__`` still
+    # answers for them); ``extend`` only where ``capabilities.extend``.
+    rows: RowTable
+    prefill: Callable[[Sequence[int], Sequence[Sequence[int]]], torch.Tensor]
+    decode: Callable[[Sequence[int], Sequence[int]], torch.Tensor]
+    extend: Callable[[Sequence[int], Sequence[Sequence[int]]], torch.Tensor]
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        if batch.kind is BatchKind.DECODE:
+            return self.decode(batch.rows, [chunk[0] for chunk in batch.chunks])
+        if batch.kind is BatchKind.PREFILL:
+            return self.prefill(batch.rows, batch.chunks)
+        for row, start in zip(batch.rows, batch.starts, strict=True):
+            self.rows.set_length(row, start)
+        return self.extend(batch.rows, batch.chunks)
 
 
-def runner_needs(runner: ModelRunner) -> RunnerNeeds:
-    """``runner.needs`` where the runner declares it, else nothing special."""
-    needs = getattr(runner, "needs", DEFAULT_NEEDS)
-    if not isinstance(needs, RunnerNeeds):
-        raise TypeError(f"{type(runner).__name__}.needs must be a RunnerNeeds, got {needs!r}")
-    return needs
-
-
-def supports_extend(runner: ModelRunner) -> bool:
-    """Whether ``runner`` is an ``ExtendingRunner`` (chunked prefill and prefix reuse apply)."""
-    return bool(getattr(runner, "supports_extend", False))
-
-
-def supports_mixed_steps(runner: ModelRunner) -> bool:
-    """Whether the engine should send a whole step (decodes and prompt chunks) as one ``extend``."""
-    return supports_extend(runner) and bool(getattr(runner, "mixed_steps", False))
+def capabilities_of(runner: ModelRunner) -> RunnerCapabilities:
+    """``runner.capabilities``, checked to be the record (read once, by the engine's constructor)."""
+    capabilities = runner.capabilities
+    if not isinstance(capabilities, RunnerCapabilities):
+        name = type(runner).__name__
+        raise TypeError(f"{name}.capabilities must be a RunnerCapabilities, got {capabilities!r}")
+    return capabilities
 
 
 def ascending(rows: Sequence[int]) -> list[int]:

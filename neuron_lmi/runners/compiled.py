@@ -25,15 +25,18 @@ from compile_cache import CompileCache, Entry, normalize_dtype, open_store
 from neuron_lmi.compile.cpu_aot import CompiledGraphs, CpuPlan, compile_cpu_entry, cpu_key_inputs
 from neuron_lmi.compile.graphs import padded_decode_inputs
 from neuron_lmi.models.llama import LlamaForCausalLM
+from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities
 from neuron_lmi.runners.buckets import pick_bucket
 
 log = logging.getLogger(__name__)
 
 
-class CompiledCpuRunner:
+class CompiledCpuRunner(ForwardByKind):
     """``ModelRunner`` over ``CompiledGraphs``; ``model`` supplies the shared weights (and the eager
     prefill for over-long prompts). Invariant: the cache has ``plan.n_rows`` rows and
     ``plan.n_positions`` positions, the shapes every graph was compiled for."""
+
+    capabilities = RunnerCapabilities()  # bucket graphs: whole prompts and decodes
 
     def __init__(self, model: LlamaForCausalLM, graphs: CompiledGraphs) -> None:
         plan, a = graphs.plan, model.args

@@ -11,7 +11,7 @@ import torch
 from cache_api import RowTable
 from neuron_lmi.compile.graphs import right_padded
 from neuron_lmi.models.llama import LlamaForCausalLM
-from neuron_lmi.runners.base import ascending, in_asked_order
+from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities, ascending, in_asked_order
 from neuron_lmi.runners.buckets import chunk_buckets, pack_into_bins, pick_bucket, power_of_two_buckets
 
 if TYPE_CHECKING:
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from neuron_lmi.compile.cpu_extend import CompiledExtend
 
 
-class CpuRunner:
+class CpuRunner(ForwardByKind):
     """Runs ``LlamaForCausalLM`` over a static KV cache of ``n_rows`` x ``n_positions``.
 
     Prefill pads prompts to a context bucket, packing several short prompts into one bucket-sized
@@ -68,10 +68,12 @@ class CpuRunner:
         return self.cache.rows
 
     @property
-    def mixed_steps(self) -> bool:
-        """Whether one ``extend`` call should carry a whole step, decodes included: only the compiled
-        step graph runs them together (elsewhere ``extend`` sends the decodes to ``decode``)."""
-        return self.compiled_decode is not None
+    def capabilities(self) -> RunnerCapabilities:
+        """Mixed steps only with the compiled step graph, which runs decodes and prompt chunks in
+        one forward (elsewhere ``extend`` sends the decodes to ``decode``); read once by the engine,
+        so the compiled graphs are set before it is built."""
+        mixed = self.supports_extend and self.compiled_decode is not None
+        return RunnerCapabilities(extend=self.supports_extend, mixed_steps=mixed, prompt_logits=True)
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         if len(rows) != len(prompts):

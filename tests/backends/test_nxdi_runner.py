@@ -22,7 +22,7 @@ from neuron_lmi.engine.build import eos_ids_for
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint, load_tokenizer
-from neuron_lmi.runners.base import RunnerNeeds
+from neuron_lmi.runners.base import RunnerCapabilities
 from neuron_lmi.runners.cpu import CpuRunner
 from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
 from neuron_lmi.testing.nxdi_contract import NxdiContractModel
@@ -167,13 +167,13 @@ def test_riding_rows_would_corrupt_a_ring_cache(tmp_path_factory: pytest.TempPat
     model, tokenizer, eos = load(folder)
     expected = run_schedule(EngineCore(CpuRunner(model, N_ROWS, N_POSITIONS), tokenizer, eos), SCHEDULE)
     outputs = {}
-    for needs in (NxdiRunner.needs, RunnerNeeds()):
+    for capabilities in (NxdiRunner.capabilities, RunnerCapabilities()):
         contract = NxdiContractModel(model, N_ROWS, N_POSITIONS, context_length_estimate=(8, 16))
         runner = NxdiRunner(contract, N_ROWS, N_POSITIONS, model.args.vocab_size, sliding_window=8)
-        runner.needs = needs
-        outputs[needs] = run_schedule(EngineCore(runner, tokenizer, eos), SCHEDULE)
-    assert outputs[NxdiRunner.needs] == expected
-    assert outputs[RunnerNeeds()] != expected
+        runner.capabilities = capabilities  # type: ignore[misc]
+        outputs[capabilities] = run_schedule(EngineCore(runner, tokenizer, eos), SCHEDULE)
+    assert outputs[NxdiRunner.capabilities] == expected
+    assert outputs[RunnerCapabilities()] != expected
 
 
 def test_a_one_token_prompt_is_sent_padded_by_the_runner(llama: Any) -> None:

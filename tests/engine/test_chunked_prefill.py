@@ -11,6 +11,7 @@ from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.llm import LLM
 from neuron_lmi.engine.scheduler import ChunkedPrefill, WholePrompts
 from neuron_lmi.engine.types import FinishReason, SamplingParams
+from neuron_lmi.runners.base import ForwardByKind
 from neuron_lmi.runners.cpu import CpuRunner
 
 from .conftest import hf_greedy, random_prompts
@@ -18,7 +19,7 @@ from .conftest import hf_greedy, random_prompts
 GREEDY = SamplingParams(max_new_tokens=24)
 
 
-class Spy:
+class Spy(ForwardByKind):
     """The runner, counting the calls the engine makes on it."""
 
     def __init__(self, inner) -> None:

@@ -14,6 +14,7 @@ from neuron_lmi.engine.sampling import draw
 from neuron_lmi.engine.step_clock import StepClock, TimedRunner
 from neuron_lmi.engine.streams import Mailbox, post, read_stream
 from neuron_lmi.engine.types import FinishReason, TokenEvent
+from neuron_lmi.runners.base import BatchKind, StepBatch
 from neuron_lmi.server.metrics import ServerMetrics
 
 
@@ -105,17 +106,22 @@ class _Rows:
 class _Runner:
     rows = _Rows()
 
-    def decode(self, rows: list[int], tokens: list[int]) -> str:
+    def forward(self, batch: StepBatch) -> str:
         return "logits"
+
+
+def _decode_batch(rows: list[int]) -> StepBatch:
+    n = len(rows)
+    return StepBatch(BatchKind.DECODE, tuple(rows), (9,) * n, ((5,),) * n, (True,) * n, decodes=n)
 
 
 def test_step_clock_splits_host_from_model_time() -> None:
     runner = TimedRunner(_Runner())
-    assert runner.rows.n_rows == 4 and not hasattr(runner, "extend")  # capabilities are the runner's
+    assert runner.rows.n_rows == 4 and not hasattr(runner, "extend")  # the wrapped runner's attributes only
     clock = StepClock(runner, window=2)
     for _ in range(3):
         clock.begin()
-        assert runner.decode([0, 1, 2], [5, 5, 5]) == "logits"
+        assert runner.forward(_decode_batch([0, 1, 2])) == "logits"
         clock.end()
     clock.begin()
     clock.end()  # an iteration without a decode is counted, not averaged
@@ -125,18 +131,15 @@ def test_step_clock_splits_host_from_model_time() -> None:
     assert snap["host_ms_per_full_step"] == 0  # 3 of 4 rows is not a full batch (90%)
 
 
-class _MixedRunner(_Runner):
-    def extend(self, rows: list[int], chunks: list[list[int]]) -> str:
-        return "logits"
-
-
 def test_a_mixed_steps_decodes_are_its_one_token_chunks() -> None:
-    """A step sent as one ``extend`` (``mixed_steps``) decodes the rows whose chunk is one token:
+    """A step sent as one EXTEND batch (``mixed_steps``) decodes the rows whose line is a decode:
     four of them make a full batch, the 30-token prompt chunk beside them does not count."""
-    runner = TimedRunner(_MixedRunner())
+    runner = TimedRunner(_Runner())
     clock = StepClock(runner, window=2)
     clock.begin()
-    assert runner.extend([0, 1, 2, 3, 4], [[5], [6], [7], [8], list(range(30))]) == "logits"
+    chunks = ((5,), (6,), (7,), (8,), tuple(range(30)))
+    mixed = StepBatch(BatchKind.EXTEND, (0, 1, 2, 3, 4), (9, 9, 9, 9, 0), chunks, (True,) * 5, decodes=4)
+    assert runner.forward(mixed) == "logits"
     clock.end()
     snap = clock.snapshot()
     assert runner.decoded_rows == 4 and snap["decode_batch"] == 4

@@ -8,20 +8,31 @@ import pytest
 import torch
 
 from neuron_lmi.engine.core import EngineCore
+from neuron_lmi.engine.detokenizer import TextSink, text_stream
 from neuron_lmi.engine.llm import LLM
 from neuron_lmi.engine.types import FinishReason, InvalidRequestError, SamplingParams, TokenEvent
+from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities
 
 from .conftest import random_prompts
+
+STOPPED: list[tuple[EngineCore, str]] = []  # ended by a stop sequence in the front, to abort
 
 
 def run_until_done(core: EngineCore) -> None:
     while core.has_work():
         core.step()
+        while STOPPED:
+            owner, request_id = STOPPED.pop()
+            owner.abort(request_id)
 
 
 def collect(core: EngineCore, prompt, params: SamplingParams) -> list[TokenEvent]:
+    """Events as a front delivers them: with text, and stop sequences matched (``TextSink``)."""
     events: list[TokenEvent] = []
-    core.add(core.make_request(prompt, params, sink=events.append))
+    request = core.make_request(prompt, params)
+    text = text_stream(core.tokenizer, request.prompt_ids, params)
+    request.sink = TextSink(text, events.append, lambda: STOPPED.append((core, request.request_id)))
+    core.add(request)
     return events
 
 
@@ -46,12 +57,13 @@ def test_output_is_the_same_alone_and_with_15_requests_joining_and_leaving(tiny_
     assert core.runner.rows.occupancy().rows_used == 0
 
 
-class FailingRunner:
+class FailingRunner(ForwardByKind):
     """The real runner, failing any prefill that contains ``poison`` (to exercise error handling)."""
 
     def __init__(self, inner, poison: int) -> None:
         self.inner, self.poison = inner, poison
         self.rows, self.vocab_size, self.n_positions = inner.rows, inner.vocab_size, inner.n_positions
+        self.capabilities = RunnerCapabilities()  # whole prompts, so every prefill meets the poison
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         if any(self.poison in p for p in prompts):

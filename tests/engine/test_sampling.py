@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from neuron_lmi.engine.sampling import apply_repetition_penalty, filter_top_k_top_p, sample
+from neuron_lmi.engine.sampling import apply_repetition_penalty, filter_top_k_top_p, greedy_argmax, sample
 from neuron_lmi.engine.types import InvalidRequestError, SamplingParams
 
 
@@ -77,3 +79,31 @@ def test_out_of_range_parameters_name_the_field(field, kwargs):
         SamplingParams(**kwargs).validate()
     assert info.value.field == field
     assert field.split("_")[0] in str(info.value)
+
+
+@pytest.mark.parametrize("vocab", [49152, 32000, 1000, 300])
+def test_greedy_argmax_is_argmax_first_index_on_ties(vocab: int) -> None:
+    torch.manual_seed(vocab)
+    x = torch.randn(9, vocab)
+    x[3, 700 % vocab] = x[3, 900 % vocab] = 50.0  # a tie: the first index wins
+    x[5] = 0.0  # all equal
+    x[6, : vocab // 2] = float("-inf")
+    assert torch.equal(greedy_argmax(x), x.argmax(dim=-1))
+    assert int(greedy_argmax(x)[5]) == 0 and int(greedy_argmax(x)[3]) == min(700 % vocab, 900 % vocab)
+
+
+def test_a_batch_that_reads_no_logprobs_gets_the_same_tokens_and_reports_zero() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 512)
+    histories = [[1, 2]] * 4
+    gens = [torch.Generator().manual_seed(s) for s in range(4)]
+    asked = [SamplingParams(), SamplingParams(temperature=0.7, seed=1)] * 2
+    quiet = [dataclasses.replace(p, logprobs=False) for p in asked]
+    full = sample(logits, asked, histories, gens)
+    gens = [torch.Generator().manual_seed(s) for s in range(4)]
+    skipped = sample(logits, quiet, histories, gens)
+    assert skipped.tokens == full.tokens and skipped.logprobs == [0.0] * 4
+    assert all(lp < 0 for lp in full.logprobs)
+    mixed = sample(logits[[0, 2]], [quiet[0], asked[2]], histories[:2], [None, None])  # greedy both
+    assert mixed.tokens == [full.tokens[0], full.tokens[2]]
+    assert mixed.logprobs[1] == pytest.approx(full.logprobs[2])  # one row asks: reported

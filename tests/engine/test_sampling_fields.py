@@ -17,6 +17,7 @@ from cache_api import RowTable
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.sampling import filter_logits, sample
 from neuron_lmi.engine.types import GrammarSpec, InvalidRequestError, SamplingParams, TokenEvent
+from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities
 
 VOCAB = 64
 EOS = 1
@@ -30,7 +31,9 @@ def tiny_tokenizer(tiny_llama_dir):
     return AutoTokenizer.from_pretrained(str(tiny_llama_dir))
 
 
-class RecordingRunner:
+class RecordingRunner(ForwardByKind):
+    capabilities = RunnerCapabilities()
+
     """Random logits from a fixed generator; ``seen[row]`` keeps every logits row it returned."""
 
     def __init__(self, seed: int = 0, n_rows: int = 4, n_positions: int = 128, scale: float = 3.0) -> None:

@@ -1,4 +1,5 @@
-"""The scheduler is a pure decision: driven here with hand-made requests, no model."""
+"""The scheduler: its decision driven with hand-made requests, no model; then the rows it places
+and the step batches it cuts from that decision for each set of runner capabilities."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from cache_api import RowTable
 from neuron_lmi.engine.prefix import PrefixHit, PrefixIndex, common_prefix
 from neuron_lmi.engine.request import Request, Status
 from neuron_lmi.engine.scheduler import ChunkedPrefill, Scheduler, WholePrompts
-from neuron_lmi.engine.stops import StopMatcher
 from neuron_lmi.engine.types import SamplingParams
+from neuron_lmi.runners.base import BatchKind, RunnerCapabilities
 
 
 def req(name: str, n_prompt: int) -> Request:
@@ -17,8 +18,6 @@ def req(name: str, n_prompt: int) -> Request:
         request_id=name,
         prompt_ids=list(range(n_prompt)),
         params=SamplingParams(),
-        detokenizer=None,  # type: ignore[arg-type]
-        stops=StopMatcher(()),
         generator=None,
     )
 
@@ -153,3 +152,98 @@ def test_common_prefix(n: int):
     assert common_prefix(a, b, limit=100) == n
     assert common_prefix(a, b, limit=3) == min(n, 3)
     assert common_prefix(a, a, limit=12) == 12
+
+
+# -- rows and step batches ----------------------------------------------------------------------
+def stepping(capabilities: RunnerCapabilities, step_tokens: int = 64) -> tuple[Scheduler, RowTable]:
+    rows = RowTable(4, 256)
+    policy = ChunkedPrefill(step_tokens=step_tokens, min_chunk=8) if capabilities.extend else None
+    return Scheduler(4096, prefill=policy, rows=rows, capabilities=capabilities), rows
+
+
+def place_decoding(sched: Scheduler, rows: RowTable, request: Request, n_out: int = 1) -> None:
+    """Put ``request`` in the running set as if its prompt were in its row and it had sampled."""
+    sched.add(request)
+    plan = sched.next_step()
+    assert request in plan.decision.prefill and request.prompt_done
+    rows.set_length(request.row, len(request.prompt_ids))  # what the runner's forward leaves
+    request.output_ids.extend([7] * n_out)
+    rows.set_length(request.row, len(request.prompt_ids) + n_out - 1)
+
+
+def test_a_mixed_steps_runner_gets_the_step_as_one_extend_batch_decodes_as_one_token_lines():
+    sched, rows = stepping(RunnerCapabilities(extend=True, mixed_steps=True))
+    a = req("a", 10)
+    place_decoding(sched, rows, a, n_out=3)
+    long = req("long", 100)
+    sched.add(long)
+    plan = sched.next_step()
+    ((batch, requests),) = plan.batches
+    assert batch.kind is BatchKind.EXTEND and requests == [long, a]
+    assert batch.rows == (long.row, a.row) and long.row != a.row
+    assert batch.starts == (0, 12) and [len(c) for c in batch.chunks] == [63, 1]
+    assert batch.chunks[1] == (7,) and batch.samples == (False, True) and batch.decodes == 1
+
+
+@pytest.mark.parametrize("decode_first", [False, True])
+def test_a_runner_without_mixed_steps_gets_one_batch_per_kind(decode_first: bool):
+    capabilities = RunnerCapabilities(extend=True, live_rows_step_together=decode_first)
+    sched, rows = stepping(capabilities, step_tokens=48)
+    a = req("a", 10)
+    place_decoding(sched, rows, a)
+    b = req("b", 60)  # 47 tokens in the first step, the last 13 in the second
+    sched.add(b)
+    sched.next_step()
+    rows.set_length(b.row, 47)
+    c = req("c", 5)
+    sched.add(c)
+    plan = sched.next_step()
+    kinds = [batch.kind for batch, _ in plan.batches]
+    expected = [BatchKind.PREFILL, BatchKind.EXTEND, BatchKind.DECODE]
+    assert kinds == ([BatchKind.DECODE, *expected[:2]] if decode_first else expected)
+    by_kind = {batch.kind: (batch, requests) for batch, requests in plan.batches}
+    assert by_kind[BatchKind.PREFILL][1] == [c] and by_kind[BatchKind.PREFILL][0].samples == (True,)
+    more, _ = by_kind[BatchKind.EXTEND]
+    assert more.starts == (47,) and [len(c) for c in more.chunks] == [13] and more.samples == (True,)
+    assert by_kind[BatchKind.DECODE][0].decodes == 1 and by_kind[BatchKind.DECODE][0].starts == (10,)
+
+
+def test_placement_claims_a_retained_prefix_and_names_the_copy_for_a_live_one():
+    rows = RowTable(4, 256)
+    prefix = PrefixIndex(rows)
+    sched = Scheduler(4096, prefill=ChunkedPrefill(64, 8), prefix=prefix, rows=rows,
+                      capabilities=RunnerCapabilities(extend=True))  # fmt: skip
+    done = req("done", 40)
+    place_decoding(sched, rows, done)
+    done_row = done.row
+    sched.finish(done, keep_prefix=True)  # retains its 40 positions
+    assert done.row is None and rows.retained(done_row) == 40
+    again = req("again", 50)  # the same first 40 tokens
+    sched.add(again)
+    plan = sched.next_step()
+    assert again.row == done_row and plan.copies == []
+    (chunk,) = plan.decision.chunks
+    assert (chunk.start, chunk.source.row) == (40, done_row)  # from the retained prefix on
+    twin = req("twin", 60)  # a live row's prefix: a fresh row and a copy
+    sched.add(twin)
+    plan = sched.next_step()
+    ((copied, hit),) = plan.copies
+    assert copied is twin and hit.row == again.row and twin.row not in (again.row, done_row)
+
+
+def test_a_failed_placement_is_reported_not_raised():
+    sched, rows = stepping(RunnerCapabilities())
+    a = req("a", 10)
+    sched.add(a)
+    rows.allocate(0), rows.allocate(1), rows.allocate(2)
+    free = rows.allocate  # a row table that refuses the next allocation
+    rows.allocate = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("no row"))  # type: ignore[method-assign]
+    plan = sched.next_step()
+    rows.allocate = free  # type: ignore[method-assign]
+    assert [(r, str(e)) for r, e in plan.failed] == [(a, "no row")]
+    assert plan.batches == []
+
+
+def test_capabilities_refuse_mixed_steps_without_extend():
+    with pytest.raises(ValueError, match="mixed_steps needs extend"):
+        RunnerCapabilities(mixed_steps=True)

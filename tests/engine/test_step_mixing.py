@@ -17,17 +17,18 @@ from cache_api import RowTable
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.scheduler import ChunkedPrefill, WholePrompts
 from neuron_lmi.engine.types import FinishReason, SamplingParams, TokenEvent
+from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities
 
 VOCAB = 400
 
 
-class FakeRunner:
+class FakeRunner(ForwardByKind):
     """Records ``(kind, rows, token counts)`` per call; every logit row picks token 100 + row."""
 
     def __init__(self, n_rows: int = 8, n_positions: int = 1024, extend: bool = True) -> None:
         self.rows = RowTable(n_rows, n_positions)
         self.vocab_size, self.n_positions = VOCAB, n_positions
-        self.supports_extend = extend
+        self.capabilities = RunnerCapabilities(extend=extend)
         self.calls: list[tuple[str, list[int], list[int]]] = []
 
     def _logits(self, rows: Sequence[int]) -> torch.Tensor:
@@ -169,7 +170,7 @@ def test_a_mixed_steps_runner_gets_each_step_as_one_extend(tokenizer) -> None:
     events: dict[bool, list[list[TokenEvent]]] = {}
     for mixed in (False, True):
         runner = FakeRunner()
-        runner.mixed_steps = mixed  # type: ignore[attr-defined]
+        runner.capabilities = RunnerCapabilities(extend=True, mixed_steps=mixed)
         core = EngineCore(runner, tokenizer, [0], prefill=ChunkedPrefill(step_tokens=64, min_chunk=16))
         streams = [add(core, prompt(10, first=3 + i), 12) for i in range(3)]
         core.step()

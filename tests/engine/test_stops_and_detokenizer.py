@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from neuron_lmi.engine.detokenizer import IncrementalDetokenizer
+from neuron_lmi.engine.detokenizer import IncrementalDetokenizer, TextSink, text_stream
 from neuron_lmi.engine.stops import StopMatcher
-from neuron_lmi.engine.types import StopText
+from neuron_lmi.engine.types import FinishReason, SamplingParams, StopText, TokenEvent
 
 
 def feed(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
@@ -107,3 +107,38 @@ def test_multibyte_character_is_held_until_complete(tokenizer):
     pieces = [detok.add(t) for t in ids]
     assert pieces[:-1] == [""] * (len(ids) - 1)
     assert pieces[-1] == "🚀"
+
+
+def _token_event(token_id: int, finish: FinishReason | None = None) -> TokenEvent:
+    return TokenEvent("r", 0, token_id, "", "", -1.0, False, 3, finish_reason=finish)
+
+
+def test_text_sink_ends_a_request_on_a_stop_sequence_and_passes_nothing_after(tokenizer) -> None:
+    """The front's text: the core sends token ids only; the sink adds their text, ends the request
+    with STOP_SEQUENCE when a stop sequence matches (asking the front to abort it in the core), and
+    drops whatever the core still sends for it."""
+    prompt = tokenizer.encode("Say:")
+    ids = tokenizer.encode(" one two three four five", add_special_tokens=False)
+    params = SamplingParams(stop=("three",))
+    passed: list[TokenEvent] = []
+    stops: list[bool] = []
+    sink = TextSink(text_stream(tokenizer, prompt, params), passed.append, lambda: stops.append(True))
+    for token in ids:
+        sink(_token_event(token))
+    sink(_token_event(-1, FinishReason.ABORT))  # the abort the front asked for: not passed on
+    assert stops == [True] and passed[-1].finish_reason is FinishReason.STOP_SEQUENCE
+    assert "".join(e.text for e in passed) == " one two "
+    assert all(e.finish_reason is None for e in passed[:-1])
+
+
+def test_text_sink_leaves_a_token_level_end_to_the_core(tokenizer) -> None:
+    prompt = tokenizer.encode("Say:")
+    ids = tokenizer.encode(" one two", add_special_tokens=False)
+    passed: list[TokenEvent] = []
+    stops: list[bool] = []
+    text = text_stream(tokenizer, prompt, SamplingParams())
+    sink = TextSink(text, passed.append, lambda: stops.append(True))
+    for i, token in enumerate(ids):
+        sink(_token_event(token, FinishReason.LENGTH if i == len(ids) - 1 else None))
+    assert stops == [] and passed[-1].finish_reason is FinishReason.LENGTH
+    assert "".join(e.text for e in passed) == " one two"

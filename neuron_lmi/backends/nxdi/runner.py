@@ -25,7 +25,7 @@ Consequences handled here:
   padding at position 0, so the library pads nothing and its last real token holds the maximum.
 * Rows are always sent sorted by seq_id.
 * Every live row must be written harmlessly. The engine decodes every live row in each call
-  (``RunnerNeeds.live_rows_step_together``); a live row not asked all the same rides along: at its
+  (``RunnerCapabilities.live_rows_step_together``); a live row not asked all the same rides along: at its
   next, unwritten position where that slot holds nothing it needs (no window, or fewer than W-1
   positions), else by writing its last token again at its last position, which recomputes the same
   K/V while the ring has not wrapped. A row of length 0 never rides: position 0 would turn the call
@@ -44,7 +44,7 @@ import torch
 
 from cache_api import RowTable
 from neuron_lmi.backends.row_batch import PAD_TOKEN_ID, check_prompts, token_batch
-from neuron_lmi.runners.base import RunnerNeeds
+from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities
 
 if TYPE_CHECKING:
     from compile_cache import CompileCache
@@ -71,7 +71,7 @@ class CausalLMApplication(Protocol):
     ) -> Any: ...
 
 
-class NxdiRunner:
+class NxdiRunner(ForwardByKind):
     """``ModelRunner`` over an NxD Inference application of ``n_rows`` x ``n_positions``.
 
     Invariants: ``rows`` is the only record of which device rows hold what; every token-generation call
@@ -81,7 +81,7 @@ class NxdiRunner:
     that token, and log-probabilities are not available.
     """
 
-    needs = RunnerNeeds(live_rows_step_together=True)
+    capabilities = RunnerCapabilities(live_rows_step_together=True)
 
     def __init__(
         self,

@@ -45,6 +45,7 @@ from neuron_lmi.backends.tnx.args import (
     build_neuron_config,
     map_compile_spec,
 )
+from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities
 
 if TYPE_CHECKING:
     from compile_cache import CompileCache
@@ -61,7 +62,7 @@ class SamplingModel(Protocol):
     ) -> torch.Tensor: ...
 
 
-class NeuronRunner:
+class NeuronRunner(ForwardByKind):
     """``ModelRunner`` over a compiled continuous-batching model of ``n_rows`` x ``n_positions``.
 
     Invariants: ``rows`` is the only record of which device rows hold what (the device keeps no
@@ -70,6 +71,8 @@ class NeuronRunner:
     in the order asked.  ``context_buckets`` are the compiled context-encoding lengths (the runner
     leaves padding up to a bucket to the library).
     """
+
+    capabilities = RunnerCapabilities()  # whole prompts and decodes; the rows it leaves out it fills itself
 
     def __init__(
         self,
