@@ -20,8 +20,8 @@ import sys
 import time
 
 from bench.prefix_reuse import tiny_model_dir
+from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.bench.report import percentile
-from neuron_lmi.engine.build import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.scheduler import ChunkedPrefill, WholePrompts
 from neuron_lmi.engine.types import SamplingParams, TokenEvent

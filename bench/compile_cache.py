@@ -36,7 +36,7 @@ def _setup(args: argparse.Namespace):
     import torch
 
     from compile_cache import CompileCache
-    from neuron_lmi.compile.cpu_aot import CpuPlan
+    from neuron_lmi.backends.cpu.aot import CpuPlan
     from neuron_lmi.models import build_model
     from neuron_lmi.models.loader import load_checkpoint, resolve_model_path
 
@@ -63,7 +63,7 @@ def _first_token(runner, prompt: list[int]) -> int:
 def phase_start(args: argparse.Namespace) -> dict[str, float | bool | str]:
     """Cold or warm start: weights, cache lookup (or compile), package load, first token."""
     import neuron_lmi.models.loader  # noqa: F401 - imports (torch, transformers) are not part of a start
-    from neuron_lmi.runners.compiled import open_compiled_runner
+    from neuron_lmi.backends.cpu.aot_runner import open_compiled_runner
 
     started = time.monotonic()
     model, path, plan, cache, load_s = _setup(args)
@@ -97,8 +97,8 @@ def _decode_rate(runner, rows: int, steps: int) -> float:
 
 
 def phase_decode(args: argparse.Namespace) -> dict[str, float]:
-    from neuron_lmi.runners.compiled import open_compiled_runner
-    from neuron_lmi.runners.cpu import CpuRunner
+    from neuron_lmi.backends.cpu.aot_runner import open_compiled_runner
+    from neuron_lmi.backends.cpu.runner import CpuRunner
 
     model, path, plan, cache, _ = _setup(args)
     compiled = open_compiled_runner(model, path, plan, cache, no_compile=True).runner

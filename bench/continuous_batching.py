@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from neuron_lmi.engine.build import CpuEngineOptions, build_cpu_engine_core
+from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.request import Request
 from neuron_lmi.engine.scheduler import InsertRows, PrefillChunk, SchedulerOutput

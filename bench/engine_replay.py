@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.bench.workload import TokenCount, Workload
-from neuron_lmi.engine.build import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.step_clock import FULL_BATCH, time_runner
 from neuron_lmi.engine.types import SamplingParams, TokenEvent

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from neuron_lmi.compile.cpu_decode import matmul_weights
+from neuron_lmi.backends.cpu.compiled_decode import matmul_weights
 from neuron_lmi.engine.llm import LLM
 from neuron_lmi.models import packed_linear
 

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from neuron_lmi.engine.build import CpuEngineOptions, build_cpu_engine_core
+from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.types import SamplingParams, TokenEvent
 

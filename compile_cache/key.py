@@ -195,7 +195,7 @@ def token_generation_buckets(n_positions: int, start: int = 128) -> tuple[int, .
 def halved_context_buckets(
     token_buckets: Sequence[int], estimate: Sequence[int] | None = None
 ) -> tuple[int, ...]:
-    """The CPU bucket graphs' context policy (``compile.cpu_aot``, and ``neuron-lmi cache key``'s
+    """The CPU bucket graphs' context policy (``neuron_lmi.backends.cpu.aot``, and ``neuron-lmi cache key``'s
     default): explicit ``context_length_estimate`` if given, else half of each token bucket, as
     transformers-neuronx's own default is. The Neuron backends have theirs, named for their library
     (``tnx_context_buckets``, ``nxdi_context_buckets``)."""

@@ -17,7 +17,7 @@ from typing import Any
 from gpu_fallback.config import VllmEngineConfig, vllm_config_from_resolved
 from gpu_fallback.engine import VllmEngine
 from neuron_lmi.backends import registry
-from neuron_lmi.backends.builders.common import fetch, model_name, read_config_json, with_model_defaults
+from neuron_lmi.backends.common import fetch, model_name, read_config_json, with_model_defaults
 
 log = logging.getLogger(__name__)
 

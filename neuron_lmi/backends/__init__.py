@@ -1,1 +1,3 @@
-"""Which backend serves a model on this host (``dispatch``) and each backend's own argument mapping."""
+"""Which backend serves a model on this host (``dispatch``, ``host``), the builder registry
+(``registry``), what the builders share (``common``), and one folder per backend: ``cpu``, ``nxdi``,
+``tnx`` (vLLM's is the top-level ``gpu_fallback`` package)."""

@@ -7,11 +7,11 @@ A backend's module registers its builder when it is imported (``register(name, b
 (and its libraries: torch models, NxD Inference, vLLM) only when it is chosen. Nothing here imports
 ``neuron_lmi.commands``, and no backend does either.
 
-    cpu          neuron_lmi.backends.builders.cpu          the torch reference engine
+    cpu          neuron_lmi.backends.cpu.build   the torch reference engine
     neuron-tnx   neuron_lmi.backends.tnx.build   transformers-neuronx runner
     neuron-nxdi  neuron_lmi.backends.nxdi.build  NxD Inference runner
-    vllm         gpu_fallback.serve                        vLLM on CUDA
-    vllm-neuron  gpu_fallback.serve                        vLLM with the vllm-neuron plugin
+    vllm         gpu_fallback.serve              vLLM on CUDA
+    vllm-neuron  gpu_fallback.serve              vLLM with the vllm-neuron plugin
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 BUILTIN_MODULES: Mapping[str, str] = MappingProxyType(
     {
-        "cpu": "neuron_lmi.backends.builders.cpu",
+        "cpu": "neuron_lmi.backends.cpu.build",
         "neuron-tnx": "neuron_lmi.backends.tnx.build",
         "neuron-nxdi": "neuron_lmi.backends.nxdi.build",
         "vllm": "gpu_fallback.serve",

@@ -6,14 +6,15 @@ the same settings computes the same key and loads the entry instead of compiling
 
 * ``--target cpu``: what ``serve`` with the same settings loads (``--graphs``, default by the
   settings): without ``option.compiled_graph_path`` the decode and extend packages with frozen
-  weights that the CPU engine runs by default (``neuron_lmi/compile/cpu_decode.py``, ``cpu_extend.py``;
-  ``--quantize`` as served), in the default compile cache or ``--cache-dir`` (serve then needs
-  ``NEURON_LMI_CACHE_DIR`` pointing there); with it (or ``--cache-url``), AOTInductor packages per
-  context and token-generation bucket for the AOT-compiled runner (``neuron_lmi/compile/cpu_aot.py``).
+  weights that the CPU engine runs by default (``neuron_lmi/backends/cpu/compiled_decode.py``,
+  ``compiled_extend.py``; ``--quantize`` as served), in the default compile cache or ``--cache-dir``
+  (serve then needs ``NEURON_LMI_CACHE_DIR`` pointing there); with it (or ``--cache-url``),
+  AOTInductor packages per context and token-generation bucket for the AOT-compiled runner
+  (``neuron_lmi/backends/cpu/aot.py``).
   dtype as the CPU engine picks it (bf16 on CPUs with native bf16, else fp32) unless told;
 * ``--target neuron``: NxD Inference's ``compile(dir)`` (``--model-loader nxdi``, the default, see
   ``neuron_lmi/backends/nxdi/``) or transformers-neuronx NEFFs (``--model-loader tnx``, SDK <= 2.25,
-  see ``neuron_lmi/compile/neuron.py``).
+  see ``neuron_lmi/backends/tnx/compile.py``).
 
 A hit loads (cpu) or reports (neuron) without compiling; ``--no-compile`` turns a miss into an
 error. The end prints the key, the artifacts' size and the time taken (``--json`` for a JSON object).
@@ -110,13 +111,13 @@ def _resolve(args: argparse.Namespace) -> Any:
 
 
 def _cache(args: argparse.Namespace, compiled_graph_path: str | None) -> Any:
-    from neuron_lmi.runners.compiled import cache_for
+    from neuron_lmi.backends.common import cache_for
 
     return cache_for(compiled_graph_path, args.cache_dir)
 
 
 def _cpu_dtype(args: argparse.Namespace, resolved: Any) -> str:
-    from neuron_lmi.engine.build import resolve_cpu_dtype
+    from neuron_lmi.backends.cpu.engine import resolve_cpu_dtype
 
     cfg = resolved.config
     if cfg.parallel.tensor_parallel_degree not in (1, "max"):
@@ -131,8 +132,8 @@ def _cpu_dtype(args: argparse.Namespace, resolved: Any) -> str:
 
 def _served_model(args: argparse.Namespace, resolved: Any) -> tuple[Path, Any, Any, Any, int]:
     """(path, engine options, checkpoint, model, n_positions): the model as ``serve`` builds it with
-    these settings (``engine.build.load_cpu_model``), so both kinds of graph get serve's keys."""
-    from neuron_lmi.engine.build import CpuEngineOptions, load_cpu_model
+    these settings (``backends.cpu.engine.load_cpu_model``), so both kinds of graph get serve's keys."""
+    from neuron_lmi.backends.cpu.engine import CpuEngineOptions, load_cpu_model
     from neuron_lmi.models.loader import resolve_model_path
 
     cfg = resolved.config
@@ -157,12 +158,12 @@ def _compile_cpu(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
 
 
 def _compile_cpu_frozen(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
-    """The decode and extend packages ``serve`` opens (``engine.build.open_compiled_graphs``), for
+    """The decode and extend packages ``serve`` opens (``backends.cpu.engine.open_compiled_graphs``), for
     the model as served (quantized, same rows and positions), so its start loads them."""
-    from neuron_lmi.compile.cpu_decode import decode_unsupported
-    from neuron_lmi.engine.build import open_compiled_graphs
+    from neuron_lmi.backends.cpu.compiled_decode import decode_unsupported
+    from neuron_lmi.backends.cpu.engine import open_compiled_graphs
+    from neuron_lmi.backends.cpu.runner import CpuRunner
     from neuron_lmi.models.loader import load_tokenizer
-    from neuron_lmi.runners.cpu import CpuRunner
 
     cfg = resolved.config
     path, options, ckpt, model, n_positions = _served_model(args, resolved)
@@ -207,9 +208,9 @@ def _prove_one_token(runner: Any, tokenizer: Any) -> None:
 
 
 def _compile_cpu_buckets(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
-    from neuron_lmi.compile.cpu_aot import CpuPlan
+    from neuron_lmi.backends.cpu.aot import CpuPlan
+    from neuron_lmi.backends.cpu.aot_runner import open_compiled_runner
     from neuron_lmi.models.loader import load_tokenizer
-    from neuron_lmi.runners.compiled import open_compiled_runner
 
     cfg = resolved.config
     if cfg.neuron.quantize:

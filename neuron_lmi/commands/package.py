@@ -95,7 +95,7 @@ def resolve_model(model: str) -> Path:
         return local
     if model.startswith(("/", ".", "~")):
         raise FileNotFoundError(f"--model {model}: no such file or directory")
-    from neuron_lmi.backends.builders.common import model_cache_dir
+    from neuron_lmi.backends.common import model_cache_dir
     from neuron_lmi.model_source import fetch_model
 
     return Path(fetch_model(model, model_cache_dir(os.environ)))

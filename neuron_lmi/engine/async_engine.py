@@ -24,7 +24,6 @@ from typing import Any
 
 from neuron_lmi.config.options import DEFAULT_MODEL
 from neuron_lmi.engine.admission import Capacity, check_accepting
-from neuron_lmi.engine.build import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.detokenizer import TextSink, text_stream
 from neuron_lmi.engine.request import Request
@@ -85,6 +84,8 @@ class AsyncEngine:
         policy: JoinPolicy | None = None,
         **options: Any,
     ) -> AsyncEngine:
+        from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
+
         core, _config = build_cpu_engine_core(CpuEngineOptions(model=model, **options), policy)
         return cls(core, model_name=model, max_queue_size=max_queue_size)
 

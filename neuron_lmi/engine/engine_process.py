@@ -81,7 +81,7 @@ class EngineInfo:
 
 def cpu_engine_core(options: Any, policy: Any = None) -> Any:
     """The CPU engine's ``EngineCore`` from ``CpuEngineOptions`` (a factory for ``ProcessEngine``)."""
-    from neuron_lmi.engine.build import build_cpu_engine_core
+    from neuron_lmi.backends.cpu.engine import build_cpu_engine_core
 
     return build_cpu_engine_core(options, policy)[0]
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from neuron_lmi.config.options import DEFAULT_MODEL
-from neuron_lmi.engine.build import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.detokenizer import TextSink, text_decoder, text_stream
 from neuron_lmi.engine.scheduler import JoinPolicy
@@ -34,6 +33,8 @@ class LLM:
     def __init__(
         self, model: str = DEFAULT_MODEL, policy: JoinPolicy | None = None, **options: object
     ) -> None:
+        from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
+
         self.options = CpuEngineOptions(model=model, **options)  # type: ignore[arg-type]
         self.core, self.config = build_cpu_engine_core(self.options, policy)
 

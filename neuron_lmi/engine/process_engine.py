@@ -101,7 +101,7 @@ class ProcessEngine:
         cls, model: str = DEFAULT_MODEL, *, max_queue_size: int = 256, policy: Any = None, **options: Any
     ) -> ProcessEngine:
         """The CPU engine (``CpuEngineOptions`` fields as keywords) in its own process."""
-        from neuron_lmi.engine.build import CpuEngineOptions
+        from neuron_lmi.backends.cpu.engine import CpuEngineOptions
 
         factory = functools.partial(wire.cpu_engine_core, CpuEngineOptions(model=model, **options), policy)
         return cls(factory, model_name=model, max_queue_size=max_queue_size)

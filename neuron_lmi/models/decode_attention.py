@@ -17,7 +17,7 @@ int64 ``[n]`` (query i's position, ``< L``), ``scale``, ``window`` (the sliding 
 Queries may share a row: the tokens of a prompt chunk, written into the cache before the call, each
 attend up to their own position, which is causal attention over the chunk (``graphs.step_rows``).
 Output ``[n, H, 1, D]`` in ``q``'s dtype. The sums run in another order than SDPA's: results differ
-in the last bits (greedy ids: ``tests/compile``).
+in the last bits (greedy ids: ``tests/backends/cpu``).
 """
 
 from __future__ import annotations

@@ -17,14 +17,14 @@ on first use in this process: one pack per weight storage and library, reused by
 (MKL's packed layout does not depend on the rows, and ``mkl::_mkl_linear`` is told the actual count,
 so it never falls back to ``F.linear``; oneDNN's is chosen for ``PACK_ROWS`` and runs any count).
 Results differ from ``F.linear`` in the last bits only (another summation order; greedy ids stayed
-the eager engine's: ``tests/compile/test_cpu_graphs.py``).
+the eager engine's: ``tests/backends/cpu/test_compiled_graphs.py``).
 
 Inside a package, AOTInductor's proxy executor calls an op through the dispatcher. The kernels are
 native (``packed_linear.cpp``, built on first use with the other ops' kernels: ``models.native``):
 a Python kernel's per-call cost there, over a step's hundred-odd GEMMs, made a one-row step slower
 than ATen's. Where the build fails (no C++ compiler) the Python kernels below run
 instead, with a warning. Importing this module defines the ops; ``kernel()`` registers their CPU
-kernels, which tracing (``tracing_packed_linears``) and opening a package (``cpu_aot.load_package``)
+kernels, which tracing (``tracing_packed_linears``) and opening a package (``backends.cpu.aot.load_package``)
 do first.
 """
 
@@ -75,9 +75,9 @@ def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 def host_library(vendor: str | None = None) -> str | None:
     """The packed GEMM the compiled graphs call on this host (fp32; bf16 too where it is oneDNN's:
-    ``cpu_decode.packed_gemm_library``): MKL on Intel CPUs, oneDNN on the others (see the table
-    above); None where neither is there. ``NEURON_LMI_PACKED_GEMM`` overrides the rule (``aten``:
-    None, what Inductor picks itself)."""
+    ``backends.cpu.compiled_decode.packed_gemm_library``): MKL on Intel CPUs, oneDNN on the others
+    (see the table above); None where neither is there. ``NEURON_LMI_PACKED_GEMM`` overrides the
+    rule (``aten``: None, what Inductor picks itself)."""
     forced = os.environ.get(LIBRARY_ENV)
     if forced:
         if forced == "aten":

@@ -1,1 +1,3 @@
-"""Runners execute one model step on one backend; they own bucketing, padding and the KV tensors."""
+"""The ``ModelRunner`` protocol (``base``): one model step on one backend. Each backend's runner lives
+in its own folder (``backends/cpu/runner.py``, ``backends/tnx/runner.py``, ``backends/nxdi/runner.py``)
+and owns its bucketing, padding and KV tensors."""

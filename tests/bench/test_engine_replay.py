@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.engine_replay import replay
+from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.bench.workload import TokenCount, Workload
-from neuron_lmi.engine.build import CpuEngineOptions, build_cpu_engine_core
 
 
 def test_every_request_runs_to_its_length_with_the_batch_kept_full(tiny_llama_dir: Path) -> None:

@@ -38,7 +38,7 @@ WORKER = """
 import errno, json, logging, os, sys
 from pathlib import Path
 from compile_cache import CorruptEntryError
-from neuron_lmi.runners.compiled import cache_for
+from neuron_lmi.backends.common import cache_for
 from tests.compile_cache.conftest import CountingCompile, make_inputs
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)

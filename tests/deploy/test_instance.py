@@ -10,7 +10,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 
 from compile_cache import default_cache_root
-from neuron_lmi.backends.builders.common import model_cache_dir
+from neuron_lmi.backends.common import model_cache_dir
 from neuron_lmi.config import load_config
 
 INSTANCE_DIR = Path(__file__).resolve().parents[2] / "deploy" / "instance"

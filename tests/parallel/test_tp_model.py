@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from neuron_lmi.backends.cpu.runner import CpuRunner
 from neuron_lmi.models import build_model
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.models.loader import load_checkpoint
 from neuron_lmi.parallel import DUMMY, GQAStrategy, build_sharding_plan
 from neuron_lmi.parallel.tp_model import ShardedKVCache, apply_tensor_parallel, plan_for_model
-from neuron_lmi.runners.cpu import CpuRunner
 
 TP_DEGREES = (1, 2, 3, 4, 8)
 N_ROWS, N_POSITIONS = 8, 32
@@ -162,7 +162,8 @@ def test_shard_over_batch_needs_the_planned_rows(base_models) -> None:
 
 
 def test_llm_with_tensor_parallel_degree_matches_tp1(tiny_llama_dir: Path) -> None:
-    """The engine path (``build.py``): ``LLM(..., tensor_parallel_degree=2)`` gives tp=1's tokens."""
+    """The engine path (``backends/cpu/engine.py``): ``LLM(..., tensor_parallel_degree=2)`` gives tp=1's
+    tokens."""
     from neuron_lmi.engine.llm import LLM
     from neuron_lmi.engine.types import SamplingParams
 

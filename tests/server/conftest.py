@@ -101,7 +101,7 @@ def start_server(
         args += ["--api-key", api_key]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SERVING_", "SM_"))}
     # Eager unless a test asks otherwise: the compiled graphs cost a compile per model and shape,
-    # and tests/compile/test_cpu_graphs.py covers them (test_compiled_graphs.py sets this to false).
+    # and tests/backends/cpu/test_compiled_graphs.py covers them (test_compiled_graphs.py sets this to false).
     full_env["OPTION_ENFORCE_EAGER"] = "true"
     full_env.update(env or {})
     full_env.setdefault("SM_MODEL_DIR", str(tmp / "no-sagemaker-model-dir"))

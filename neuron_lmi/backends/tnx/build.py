@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from neuron_lmi.backends import registry
-from neuron_lmi.backends.builders.common import (
+from neuron_lmi.backends.common import (
     fetch,
     neuron_compile_cache,
     rolling_batch_engine,

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import torch
 
+from neuron_lmi.backends.common import eos_ids_for
+from neuron_lmi.backends.cpu.runner import CpuRunner
 from neuron_lmi.backends.nxdi.runner import on_cpu_application, runner_for
-from neuron_lmi.engine.build import eos_ids_for
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint, load_tokenizer
-from neuron_lmi.runners.cpu import CpuRunner
 from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
 from tests.backends.conftest import run_schedule
 from tests.backends.nxdi_library.conftest import nxdi_plan, served

@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from compile_cache import CompileCache
+from neuron_lmi.backends.common import eos_ids_for
+from neuron_lmi.backends.cpu.runner import CpuRunner
 from neuron_lmi.backends.tnx.runner import NeuronRunner, build_neuron_runner, compile_spec_from_config
 from neuron_lmi.config import load_config
-from neuron_lmi.engine.build import eos_ids_for
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint, load_tokenizer
 from neuron_lmi.parallel.tp_model import apply_tensor_parallel
-from neuron_lmi.runners.cpu import CpuRunner
 from neuron_lmi.testing.tnx_contract import ContractModel
 from tests.backends.conftest import run_schedule
 

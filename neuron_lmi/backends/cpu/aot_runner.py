@@ -7,7 +7,7 @@ Same contract, bucketing and ``cache_api.KVCache`` as ``CpuRunner``; only the ke
   as the compiled artifacts hold no graph for it;
 * decode: the graph of the smallest token-generation bucket covering every stepping row runs all
   ``n_rows`` rows at once; rows not in the step are padding whose cache the graph leaves unchanged
-  (see ``neuron_lmi/compile/graphs.py``), and their logits are dropped.
+  (see ``graphs.py``), and their logits are dropped.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 
 from cache_api import KVCache, RowTable
-from compile_cache import CompileCache, Entry, normalize_dtype, open_store
-from neuron_lmi.compile.cpu_aot import CompiledGraphs, CpuPlan, compile_cpu_entry, cpu_key_inputs
-from neuron_lmi.compile.graphs import padded_decode_inputs
+from compile_cache import CompileCache, Entry, normalize_dtype
+from neuron_lmi.backends.common import cache_for
+from neuron_lmi.backends.cpu.aot import CompiledGraphs, CpuPlan, compile_cpu_entry, cpu_key_inputs
+from neuron_lmi.backends.cpu.buckets import pick_bucket
+from neuron_lmi.backends.cpu.graphs import padded_decode_inputs
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities
-from neuron_lmi.runners.buckets import pick_bucket
 
 log = logging.getLogger(__name__)
 
@@ -107,18 +108,6 @@ class OpenedRunner:
     entry: Entry
     compiled: bool
     seconds: float
-
-
-def cache_for(compiled_graph_path: str | None, cache_dir: str | Path | None = None) -> CompileCache:
-    """LMI's ``option.compiled_graph_path``: an ``s3://`` URI is the remote (local root as usual),
-    anything else the local store's root; ``cache_dir`` (``--cache-dir``) is the local root as given.
-
-    A root that cannot be written (SageMaker's read-only ``/opt/ml/model/compiled``) is read in place
-    as a seed, and misses, damaged entries and locks go to a writable store (``open_store``)."""
-    remote = compiled_graph_path if compiled_graph_path and compiled_graph_path.startswith("s3://") else None
-    if cache_dir is not None:
-        return CompileCache(cache_dir, remote=remote)
-    return open_store(None if remote else compiled_graph_path or None, remote=remote)
 
 
 def open_compiled_runner(

@@ -16,8 +16,8 @@ from neuron_lmi.engine.scheduler import JoinPolicy
 
 if TYPE_CHECKING:
     from compile_cache import CompileCache
-    from neuron_lmi.compile.cpu_decode import OpenedPackage
-    from neuron_lmi.runners.cpu import CpuRunner
+    from neuron_lmi.backends.cpu.compiled_decode import OpenedPackage
+    from neuron_lmi.backends.cpu.runner import CpuRunner
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class CpuEngineOptions:
     # bf16 matmul weights pre-packed for oneDNN (neuron_lmi.models.packed); dense weights only.
     pack_weights: bool = True
     # Decode, prefill and extend through AOTInductor packages with frozen weights
-    # (neuron_lmi.compile.cpu_decode, cpu_extend), compiled once into the default compile cache. The
+    # (compiled_decode, compiled_extend), compiled once into the default compile cache. The
     # server turns them on unless option.enforce_eager; off here so the library and the parity
     # tests run eager.
     compile_graphs: bool = False
@@ -105,21 +105,14 @@ class CpuEngineOptions:
             raise ValueError("quantize: the AOT-compiled CPU runner does not take quantized weights yet")
 
 
-def eos_ids_for(config: Any, tokenizer: Any) -> list[int]:
-    eos = getattr(config, "eos_token_id", None)
-    ids = set(eos if isinstance(eos, list | tuple) else [eos] if eos is not None else [])
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
-
-
 def build_cpu_engine_core(
     options: CpuEngineOptions, policy: JoinPolicy | None = None
 ) -> tuple[EngineCore, Any]:
     """Load weights and tokenizer, build the model and its runner; returns (core, config)."""
+    from neuron_lmi.backends.common import eos_ids_for
+    from neuron_lmi.backends.cpu.runner import CpuRunner
     from neuron_lmi.models.loader import load_tokenizer, resolve_model_path
     from neuron_lmi.models.packed import pack_model
-    from neuron_lmi.runners.cpu import CpuRunner
 
     if options.max_rolling_batch_size <= 0:
         raise ValueError(f"max_rolling_batch_size must be positive, got {options.max_rolling_batch_size}")
@@ -130,7 +123,7 @@ def build_cpu_engine_core(
     ckpt, model, n_positions = load_cpu_model(options, path)
     tokenizer = load_tokenizer(ckpt)
     if options.compiled or options.compiled_graph_path:
-        from neuron_lmi.runners.compiled import compiled_runner_for_engine
+        from neuron_lmi.backends.cpu.aot_runner import compiled_runner_for_engine
 
         runner = compiled_runner_for_engine(
             model, path, options.max_rolling_batch_size, n_positions, options.dtype_name(),
@@ -199,8 +192,8 @@ def open_compiled_graphs(
     shape has none of stays eager (logged). Returns the packages opened (``neuron-lmi compile``
     reports them)."""
     from compile_cache import open_store
-    from neuron_lmi.compile.cpu_decode import CompiledDecode, open_frozen_entry
-    from neuron_lmi.compile.cpu_extend import CompiledExtend
+    from neuron_lmi.backends.cpu.compiled_decode import CompiledDecode, open_frozen_entry
+    from neuron_lmi.backends.cpu.compiled_extend import CompiledExtend
 
     shape = (runner.rows.n_rows, runner.n_positions)
     store = store if store is not None else open_store()

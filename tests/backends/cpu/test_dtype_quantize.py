@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from neuron_lmi.engine.build import (
+from neuron_lmi.backends.cpu.engine import (
     CpuEngineOptions,
     default_cpu_dtype,
     host_cpu_flags,
@@ -61,7 +61,7 @@ def test_unsupported_quantize_is_rejected(options: dict[str, Any], match: str) -
 
 def _cpu_builder_kwargs(monkeypatch: pytest.MonkeyPatch, model: Path, **cli: str) -> dict[str, Any]:
     from neuron_lmi.backends import registry
-    from neuron_lmi.backends.builders.cpu import build_cpu_engine
+    from neuron_lmi.backends.cpu.build import build_cpu_engine
     from neuron_lmi.config import load_config
     from neuron_lmi.engine.process_engine import ProcessEngine
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from compile_cache import CacheMissError, CompileCache
+from neuron_lmi.backends.cpu import aot
+from neuron_lmi.backends.cpu.aot_runner import open_compiled_runner
 from neuron_lmi.cli import main
-from neuron_lmi.compile import cpu_aot
-from neuron_lmi.runners.compiled import open_compiled_runner
-from tests.compile.conftest import CompiledStore
+from tests.backends.cpu.conftest import CompiledStore
 
 pytestmark = pytest.mark.slow
 
@@ -45,10 +45,10 @@ def test_changing_one_key_input_makes_a_new_entry(compiled_store: CompiledStore,
         path.write_bytes(b"not a real package")
 
     plan = compiled_store.plan(n_rows=compiled_store.n_rows - 1)  # one input changed: the batch
-    inputs = cpu_aot.cpu_key_inputs(model, compiled_store.model_dir, plan)
+    inputs = aot.cpu_key_inputs(model, compiled_store.model_dir, plan)
     cache = CompileCache(root)
     entry = cache.get_or_compile(
-        inputs, lambda out: cpu_aot.compile_cpu_entry(model, plan, out, compile_one=fake_compile)
+        inputs, lambda out: aot.compile_cpu_entry(model, plan, out, compile_one=fake_compile)
     )
     assert entry.key != compiled_store.key
     assert calls == [("prefill", 64), ("decode", 128)]
@@ -89,10 +89,10 @@ def test_corrupt_byte_is_named_by_verify_and_recompiled(
 
 def test_plan_validation() -> None:
     with pytest.raises(ValueError, match="n_positions"):
-        cpu_aot.CpuPlan(4, 128, "fp32", (256,), (128,))
+        aot.CpuPlan(4, 128, "fp32", (256,), (128,))
     with pytest.raises(ValueError, match="n_rows"):
-        cpu_aot.CpuPlan(0, 128, "fp32", (64,), (128,))
-    assert cpu_aot.CpuPlan.default(8, 512, "fp32", (100, 300)).graphs() == [
+        aot.CpuPlan(0, 128, "fp32", (64,), (128,))
+    assert aot.CpuPlan.default(8, 512, "fp32", (100, 300)).graphs() == [
         ("prefill", 100),
         ("prefill", 300),
         ("decode", 128),

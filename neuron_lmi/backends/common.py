@@ -1,7 +1,9 @@
-"""What the builders share: fetching the model, LMI's model defaults, and wrapping a runner in an engine.
+"""What the backends share: fetching the model, LMI's model defaults, the compile cache that
+``option.compiled_graph_path`` names, end-of-sequence ids, and wrapping a runner in an engine.
 
 ``rolling_batch_engine`` is the one place a ``ModelRunner`` (transformers-neuronx's, NxD Inference's)
-becomes an ``Engine``: tokenizer, end-of-sequence ids, ``EngineCore``, ``AsyncEngine``.
+becomes an ``Engine``: tokenizer, end-of-sequence ids, ``EngineCore``, ``AsyncEngine``. The CPU
+backend builds its own core in the engine process (``backends.cpu.engine``) but takes the same ids.
 """
 
 from __future__ import annotations
@@ -56,11 +58,33 @@ def with_model_defaults(resolved: ResolvedConfig, path: str | Path) -> ResolvedC
     return apply_model_defaults(resolved, value if isinstance(value, int) and value > 0 else None)
 
 
+def cache_for(compiled_graph_path: str | None, cache_dir: str | Path | None = None) -> CompileCache:
+    """LMI's ``option.compiled_graph_path``: an ``s3://`` URI is the remote (local root as usual),
+    anything else the local store's root; ``cache_dir`` (``--cache-dir``) is the local root as given.
+
+    A root that cannot be written (SageMaker's read-only ``/opt/ml/model/compiled``) is read in place
+    as a seed, and misses, damaged entries and locks go to a writable store (``open_store``)."""
+    from compile_cache import CompileCache, open_store
+
+    remote = compiled_graph_path if compiled_graph_path and compiled_graph_path.startswith("s3://") else None
+    if cache_dir is not None:
+        return CompileCache(cache_dir, remote=remote)
+    return open_store(None if remote else compiled_graph_path or None, remote=remote)
+
+
 def neuron_compile_cache(resolved: ResolvedConfig) -> CompileCache:
     """The store ``neuron-lmi compile`` fills for the same ``option.compiled_graph_path``."""
-    from neuron_lmi.runners.compiled import cache_for
-
     return cache_for(resolved.config.neuron.compiled_graph_path)
+
+
+def eos_ids_for(config: Any, tokenizer: Any) -> list[int]:
+    """The model config's ``eos_token_id`` (one id or a list) and the tokenizer's, sorted: either
+    one ends a request (a chat model's config often names only the end-of-turn token)."""
+    eos = getattr(config, "eos_token_id", None)
+    ids = set(eos if isinstance(eos, list | tuple) else [eos] if eos is not None else [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
 
 
 def rolling_batch_engine(
@@ -70,7 +94,6 @@ def rolling_batch_engine(
     from transformers import AutoTokenizer
 
     from neuron_lmi.engine.async_engine import AsyncEngine
-    from neuron_lmi.engine.build import eos_ids_for
     from neuron_lmi.engine.core import EngineCore
 
     cfg = resolved.config

@@ -31,7 +31,7 @@ class CompiledStore:
         return load_tiny(self.model_dir)
 
     def plan(self, n_rows: int = N_ROWS):
-        from neuron_lmi.compile.cpu_aot import CpuPlan
+        from neuron_lmi.backends.cpu.aot import CpuPlan
 
         return CpuPlan.default(n_rows, N_POSITIONS, "fp32")
 
@@ -45,7 +45,7 @@ def load_tiny(model_dir: Path, dtype: torch.dtype = torch.float32):
 
 
 def counting(calls: list[tuple[str, int]], real: Callable[..., None]) -> Callable[..., None]:
-    """Wrap ``cpu_aot.compile_graph`` so a test can assert which graphs were compiled."""
+    """Wrap ``aot.compile_graph`` so a test can assert which graphs were compiled."""
 
     def wrapper(model, plan, kind: str, size: int, path: Path) -> None:
         calls.append((kind, size))
@@ -57,17 +57,17 @@ def counting(calls: list[tuple[str, int]], real: Callable[..., None]) -> Callabl
 @pytest.fixture(scope="session")
 def compiled_store(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> CompiledStore:
     from compile_cache import CompileCache
-    from neuron_lmi.compile import cpu_aot
-    from neuron_lmi.runners.compiled import open_compiled_runner
+    from neuron_lmi.backends.cpu import aot
+    from neuron_lmi.backends.cpu.aot_runner import open_compiled_runner
 
     root = tmp_path_factory.mktemp("compile_store")
     calls: list[tuple[str, int]] = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_aot, "compile_graph", counting(calls, cpu_aot.compile_graph))
+        mp.setattr(aot, "compile_graph", counting(calls, aot.compile_graph))
         opened = open_compiled_runner(
             load_tiny(tiny_llama_dir),
             tiny_llama_dir,
-            cpu_aot.CpuPlan.default(N_ROWS, N_POSITIONS, "fp32"),
+            aot.CpuPlan.default(N_ROWS, N_POSITIONS, "fp32"),
             CompileCache(root),
         )
     assert opened.compiled
@@ -77,8 +77,8 @@ def compiled_store(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Pat
 @pytest.fixture()
 def compile_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """Records every real graph compile made during the test as ``(kind, size)``."""
-    from neuron_lmi.compile import cpu_aot
+    from neuron_lmi.backends.cpu import aot
 
     calls: list[tuple[str, int]] = []
-    monkeypatch.setattr(cpu_aot, "compile_graph", counting(calls, cpu_aot.compile_graph))
+    monkeypatch.setattr(aot, "compile_graph", counting(calls, aot.compile_graph))
     return calls

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from neuron_lmi.backends.cpu.buckets import chunk_buckets
+from neuron_lmi.backends.cpu.runner import CpuRunner
 from neuron_lmi.engine.llm import LLM
-from neuron_lmi.runners.buckets import chunk_buckets
-from neuron_lmi.runners.cpu import CpuRunner
 
 
 @pytest.fixture(scope="module")

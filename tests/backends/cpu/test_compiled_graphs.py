@@ -1,4 +1,4 @@
-"""The compiled step and extend (``compile.cpu_decode``, ``cpu_extend``): the same greedy tokens
+"""The compiled step and extend (``compiled_decode``, ``compiled_extend``): the same greedy tokens
 and cache contents as the eager runner, one forward per engine step where the step graph covers it,
 one compile per model and shape (then a cache hit), eager wherever a package does not reach."""
 
@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuron_lmi.compile import cpu_decode, cpu_extend, graphs
+from neuron_lmi.backends.cpu import compiled_decode, compiled_extend, graphs
+from neuron_lmi.backends.cpu.runner import CpuRunner
 from neuron_lmi.engine.llm import LLM
 from neuron_lmi.engine.types import SamplingParams
 from neuron_lmi.models import packed_linear
-from neuron_lmi.runners.cpu import CpuRunner
-from tests.compile.conftest import load_tiny
+from tests.backends.cpu.conftest import load_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ def test_compiled_graphs_equal_eager_token_for_token(
     if attention is not None:
         monkeypatch.setenv(graphs.ATTENTION_ENV, attention)
     if pair_limit is not None:
-        monkeypatch.setattr(cpu_decode, "CHUNK_PAIR_LIMIT", pair_limit)
+        monkeypatch.setattr(compiled_decode, "CHUNK_PAIR_LIMIT", pair_limit)
     model_dir = request.getfixturevalue(model)
     eager, compiled = _llm(model_dir), _llm(model_dir, compile_graphs=True)
     runner = compiled.core.runner
@@ -81,7 +81,7 @@ def test_compiled_graphs_equal_eager_token_for_token(
     assert [len(t) for t in got] == list(new)
     assert package.steps > 30  # the decode steps ran in the package, not eagerly
     if packed_linear.host_library() is not None:  # fp32 GEMMs on packs of the package's own weights
-        assert packed_linear.cached_packs() >= len(cpu_decode.matmul_weights(runner.model))
+        assert packed_linear.cached_packs() >= len(compiled_decode.matmul_weights(runner.model))
     # The first step's 144 prompt tokens pass the step graph's limit (4 rows + 128): the extend
     # graph, in a call per chunk bucket. After it, every step is one call (none: the eager last
     # position), unless a low pair limit sends long chunks to the extend graph beside the decodes.
@@ -110,14 +110,14 @@ def _count_forwards(llm: LLM) -> list[int]:
 def test_the_step_graph_takes_what_it_runs_well() -> None:
     """Any rows (no window), up to its token limit; chunks while their attention pairs stay within
     ``CHUNK_PAIR_LIMIT`` (past it SDPA in the extend graph does better); never the last position."""
-    step = cpu_decode.CompiledDecode.__new__(cpu_decode.CompiledDecode)
+    step = compiled_decode.CompiledDecode.__new__(compiled_decode.CompiledDecode)
     step.limit, step.n_positions = 40, 128
     assert step.covers_chunks([10, 11, 12], [1, 1, 1]) and step.covers_chunks([126], [1])  # decodes
     assert not step.covers_chunks([10] * 41, [1] * 41)  # over the token limit
     assert not step.covers_chunks([127], [1])  # the full-cache step: eager
     assert step.covers_chunks([0, 50, 7], [30, 1, 1]) and not step.covers_chunks([0, 0], [30, 11])
     assert not step.covers_chunks([120, 5], [8, 2]) and step.covers_chunks([119, 5], [8, 2])  # 128 > 127
-    wide = cpu_decode.CompiledDecode.__new__(cpu_decode.CompiledDecode)
+    wide = compiled_decode.CompiledDecode.__new__(compiled_decode.CompiledDecode)
     wide.limit, wide.n_positions = 1000, 2048
     assert wide.covers_chunks([0] * 4, [60] * 4)  # four 60-token prompts: 7,320 pairs
     assert not wide.covers_chunks([1000], [200])  # 220,100 pairs: the extend graph
@@ -129,13 +129,15 @@ def test_second_start_loads_from_the_cache_without_compiling(
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
     first = _llm(tiny_llama_dir, compile_graphs=True)
     assert first.core.runner.compiled_decode is not None
-    assert list(tmp_path.rglob(cpu_decode.PACKAGE_FILE)) and list(tmp_path.rglob(cpu_extend.PACKAGE_FILE))
+    assert list(tmp_path.rglob(compiled_decode.PACKAGE_FILE)) and list(
+        tmp_path.rglob(compiled_extend.PACKAGE_FILE)
+    )
 
     def fail(*_: object) -> None:
         raise AssertionError("compiled again on a cache hit")
 
-    monkeypatch.setattr(cpu_decode.CompiledDecode, "compile_package", staticmethod(fail))
-    monkeypatch.setattr(cpu_extend.CompiledExtend, "compile_package", staticmethod(fail))
+    monkeypatch.setattr(compiled_decode.CompiledDecode, "compile_package", staticmethod(fail))
+    monkeypatch.setattr(compiled_extend.CompiledExtend, "compile_package", staticmethod(fail))
     second = _llm(tiny_llama_dir, compile_graphs=True)
     assert second.core.runner.compiled_decode is not None and second.core.runner.compiled_extend is not None
     prompt, params = [list(range(50, 70))], [SamplingParams(max_new_tokens=6, temperature=0.0)]
@@ -157,22 +159,27 @@ def test_models_and_caches_without_a_decode_graph(
     from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
 
     dense = load_tiny(tiny_llama_dir)
-    assert cpu_decode.decode_unsupported(dense, N_ROWS, N_POSITIONS) is None
-    assert "too small" in (cpu_decode.decode_unsupported(dense, 1, N_POSITIONS) or "")
+    assert compiled_decode.decode_unsupported(dense, N_ROWS, N_POSITIONS) is None
+    assert "too small" in (compiled_decode.decode_unsupported(dense, 1, N_POSITIONS) or "")
     quantized = load_tiny(tiny_llama_dir)
     quantize_model(quantized, "int8")
-    assert cpu_decode.decode_unsupported(quantized, N_ROWS, N_POSITIONS) is None
+    assert compiled_decode.decode_unsupported(quantized, N_ROWS, N_POSITIONS) is None
     # torch's int8 kernel runs row by row: from 40 tokens on the eager GEMM wins, so the step stops.
-    assert cpu_decode.token_limit(quantized, 64, 128) == 39 and cpu_decode.token_limit(dense, 64, 128) == 192
-    quantized_key = cpu_decode.decode_key_inputs(quantized, tiny_llama_dir, N_ROWS, N_POSITIONS)
+    assert (
+        compiled_decode.token_limit(quantized, 64, 128) == 39
+        and compiled_decode.token_limit(dense, 64, 128) == 192
+    )
+    quantized_key = compiled_decode.decode_key_inputs(quantized, tiny_llama_dir, N_ROWS, N_POSITIONS)
     assert "weights=int8" in quantized_key.compiler_flags and "max_autotune=True" not in str(quantized_key)
     moe = load_tiny(make_tiny_checkpoint(tmp_path / "mixtral", "mixtral"))
-    assert "DecoderLayer" in (cpu_decode.decode_unsupported(moe, N_ROWS, N_POSITIONS) or "")
-    key = cpu_decode.decode_key_inputs(dense, tiny_llama_dir, N_ROWS, N_POSITIONS)
+    assert "DecoderLayer" in (compiled_decode.decode_unsupported(moe, N_ROWS, N_POSITIONS) or "")
+    key = compiled_decode.decode_key_inputs(dense, tiny_llama_dir, N_ROWS, N_POSITIONS)
     # Frozen weights: the key hashes their values, not only their names and shapes.
     assert key.weights_fingerprint is not None and key.weights_fingerprint.startswith("content:")
-    assert key.key() != cpu_decode.decode_key_inputs(dense, tiny_llama_dir, N_ROWS + 1, N_POSITIONS).key()
-    extend_key = cpu_decode.decode_key_inputs(dense, tiny_llama_dir, N_ROWS, N_POSITIONS, "extend")
+    assert (
+        key.key() != compiled_decode.decode_key_inputs(dense, tiny_llama_dir, N_ROWS + 1, N_POSITIONS).key()
+    )
+    extend_key = compiled_decode.decode_key_inputs(dense, tiny_llama_dir, N_ROWS, N_POSITIONS, "extend")
     assert extend_key.key() != key.key()  # two graphs, two entries
     assert quantized_key.key() != key.key() and "weights=dense" in key.compiler_flags
     # fp32 decode GEMMs run the host's packed GEMM, the fp32 extend only oneDNN's, bf16 graphs only
@@ -185,7 +192,7 @@ def test_models_and_caches_without_a_decode_graph(
         flag = f"packed_gemm=neuron_lmi::{library}_linear"
 
         def flags(model: object, graph: str = "step") -> tuple[str, ...]:
-            key = cpu_decode.decode_key_inputs(model, tiny_llama_dir, N_ROWS, N_POSITIONS, graph)
+            key = compiled_decode.decode_key_inputs(model, tiny_llama_dir, N_ROWS, N_POSITIONS, graph)
             return key.compiler_flags
 
         assert flag in flags(dense) and (flag in flags(dense, "extend")) == fp32_extend
@@ -247,7 +254,7 @@ def test_bf16_graphs_follow_the_eager_bf16_engine(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In bf16 the decode graph's GEMMs are Inductor's autotuned CPU templates
-    (``cpu_decode.BF16_DECODE_CONFIGS``): teacher-forced through one prefill of three prompts and
+    (``compiled_decode.BF16_DECODE_CONFIGS``): teacher-forced through one prefill of three prompts and
     four decode steps, its logits stay within bf16 rounding of the eager bf16 runner's."""
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
     eager = _llm(tiny_llama_dir, dtype="bf16").core.runner
@@ -256,7 +263,9 @@ def test_bf16_graphs_follow_the_eager_bf16_engine(
     assert decode is not None and extend is not None
     assert (
         "max_autotune=True"
-        in cpu_decode.decode_key_inputs(compiled.model, tiny_llama_dir, N_ROWS, N_POSITIONS).compiler_flags
+        in compiled_decode.decode_key_inputs(
+            compiled.model, tiny_llama_dir, N_ROWS, N_POSITIONS
+        ).compiler_flags
     )
     want, got = _teacher_forced(eager), _teacher_forced(compiled)
     assert decode.steps == 5 and extend.steps == 0  # 49 prompt tokens: the step graph's too
@@ -277,7 +286,7 @@ def test_quantized_graphs_follow_the_eager_quantized_engine(
     compiled = _llm(tiny_llama_dir, quantize=method, compile_graphs=True).core.runner
     decode, extend = compiled.compiled_decode, compiled.compiled_extend
     assert decode is not None and extend is not None
-    formats = cpu_decode.weight_formats(compiled.model)
+    formats = compiled_decode.weight_formats(compiled.model)
     assert formats == ("int4g32+int8" if method == "int4" else "int8")  # lm_head: int8 in both
     want, got = _teacher_forced(eager, lone_row_step=True), _teacher_forced(compiled, lone_row_step=True)
     assert decode.steps == 5 and extend.steps >= 1

@@ -37,7 +37,7 @@ from compile_cache.key import (
     halved_context_buckets,
     token_generation_buckets,
 )
-from neuron_lmi.compile.graphs import (
+from neuron_lmi.backends.cpu.graphs import (
     DecodeGraph,
     PrefillGraph,
     check_compilable,

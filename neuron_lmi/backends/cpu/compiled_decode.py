@@ -1,9 +1,9 @@
 """The CPU engine's compiled step: one AOTInductor package with the weights frozen in; and what it
-shares with the compiled extend (``cpu_extend``): ``FrozenPackage``, the cache key
+shares with the compiled extend (``compiled_extend``): ``FrozenPackage``, the cache key
 (``decode_key_inputs``), ``open_frozen_entry`` and ``export_package``.
 
 ``CpuRunner`` copies rows eagerly; its decode steps, and the steps that mix decodes with short
-prompt chunks, run this package when one is loaded (long chunks run ``cpu_extend``'s). The package
+prompt chunks, run this package when one is loaded (long chunks run ``compiled_extend``'s). The package
 holds a ``StepGraph``: a flat batch of tokens, each with its cache row and position, exported with
 a dynamic token count, logit count and attention length (``2 <= L < n_positions``), so one compile
 serves every step. A step that admits prompts while 27 rows decode thus runs one forward instead of
@@ -46,8 +46,8 @@ from torch import nn
 from compile_cache import CompileCache
 from compile_cache.key import CacheKeyInputs, fingerprint_weights
 from compile_cache.store import Entry
-from neuron_lmi.compile.cpu_aot import DTYPE_NAMES, architecture_description, cpu_capability, load_package
-from neuron_lmi.compile.graphs import StepGraph, check_compilable, decode_attention_form
+from neuron_lmi.backends.cpu.aot import DTYPE_NAMES, architecture_description, cpu_capability, load_package
+from neuron_lmi.backends.cpu.graphs import StepGraph, check_compilable, decode_attention_form
 from neuron_lmi.models import packed_linear
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.models.quant import (
@@ -165,7 +165,7 @@ def decode_key_inputs(
     graph: str = "step",
 ) -> CacheKeyInputs:
     """The compile-cache key of a frozen-weights package (``graph``: ``step`` here,
-    ``extend`` for ``cpu_extend``) for ``model`` over an ``n_rows x n_positions`` cache. One dynamic
+    ``extend`` for ``compiled_extend``) for ``model`` over an ``n_rows x n_positions`` cache. One dynamic
     graph covers every length, so both bucket lists are ``(n_positions,)``."""
     configs = inductor_configs(model.dtype, graph, is_quantized(model))
     flags = (

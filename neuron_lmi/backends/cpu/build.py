@@ -6,14 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from neuron_lmi.backends import registry
-from neuron_lmi.backends.builders.common import DEFAULT_PREFILL_TOKENS, fetch, model_name
+from neuron_lmi.backends.common import DEFAULT_PREFILL_TOKENS, fetch, model_name
 
 
 def build_cpu_engine(request: registry.BuildRequest) -> Any:
     """The model is fetched first (built-in, local, s3://, Hub); unless a dtype was given, bf16 on
-    CPUs with native bf16 matmuls and fp32 elsewhere (``engine.build.default_cpu_dtype``). Decode and
-    prefill run compiled graphs (``compile.cpu_decode``, ``cpu_extend``) unless ``option.enforce_eager``."""
-    from neuron_lmi.engine.build import resolve_cpu_dtype
+    CPUs with native bf16 matmuls and fp32 elsewhere (``engine.default_cpu_dtype``). Decode and
+    prefill run compiled graphs (``compiled_decode``, ``compiled_extend``) unless ``option.enforce_eager``."""
+    from neuron_lmi.backends.cpu.engine import resolve_cpu_dtype
     from neuron_lmi.engine.process_engine import ProcessEngine
 
     resolved = request.resolved

@@ -1,5 +1,5 @@
 """The CPU engine's compiled prefill and extend: one AOTInductor package of ``ExtendGraph`` with the
-weights frozen in, beside the compiled decode (``cpu_decode``) and keyed the same way.
+weights frozen in, beside the compiled decode (``compiled_decode``) and keyed the same way.
 
 Prefill is an extend from position 0, so one graph, exported with a dynamic number of rows
 (``1 <= n <= n_rows``), chunk length (``1 <= T < n_positions``) and attention length
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from neuron_lmi.compile.cpu_decode import (
+from neuron_lmi.backends.cpu.compiled_decode import (
     MIN_ATTN_LEN,
     FrozenPackage,
     export_package,
@@ -27,13 +27,13 @@ from neuron_lmi.compile.cpu_decode import (
     is_quantized,
     packed_gemm_library,
 )
-from neuron_lmi.compile.graphs import ExtendGraph, right_padded
+from neuron_lmi.backends.cpu.graphs import ExtendGraph, right_padded
 from neuron_lmi.models import packed_linear
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.models.quant import QuantizedLinear, matmul_weight_slots, replace_weight
 
 PACKAGE_FILE = "extend.pt2"
-# Rows and chunk length start at 1 (tested); the attention length at cpu_decode's MIN_ATTN_LEN.
+# Rows and chunk length start at 1 (tested); the attention length at compiled_decode's MIN_ATTN_LEN.
 
 
 def compile_extend_package(model: LlamaForCausalLM, n_rows: int, n_positions: int, out_dir: Path) -> None:

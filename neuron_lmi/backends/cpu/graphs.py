@@ -13,7 +13,7 @@ all forced by static shapes:
 * weights and rotary tables are *constants* of the graph (the wrapper's parameters and buffers,
   named by ``constant_tensors``); for the bucket graphs AOTInductor is told not to embed them, and
   the loader hands it the live tensors, so every bucket's artifact shares one copy of the weights
-  (the engine's step and extend graphs freeze them instead: ``cpu_decode.py``);
+  (the engine's step and extend graphs freeze them instead: ``compiled_decode.py``);
 * the KV cache ``[layers, rows, kvh, n_positions, D]`` is an explicit *mutated input*, so prefill and
   decode artifacts write into the same ``cache_api.KVCache`` tensors;
 * ``DecodeGraph`` runs all ``n_rows`` rows (batch = max_rolling_batch_size). A row that is not part of
@@ -208,7 +208,7 @@ def token_layers(
 class StepGraph(_Graph):
     """One engine step as a flat batch of tokens: decodes (one token of a row) and prompt chunks
     (consecutive tokens of a row) together, so a step that admits prompts while others decode runs
-    one forward, unpadded (``neuron_lmi/compile/cpu_decode.py``). The token count, the number of
+    one forward, unpadded (``compiled_decode.py``). The token count, the number of
     logits and the attention length come from the inputs' shapes, so one graph exported with all
     three dynamic serves every step.
 

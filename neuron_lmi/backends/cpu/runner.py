@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from cache_api import RowTable
-from neuron_lmi.compile.graphs import right_padded
+from neuron_lmi.backends.cpu.buckets import chunk_buckets, pack_into_bins, pick_bucket, power_of_two_buckets
+from neuron_lmi.backends.cpu.graphs import right_padded
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities, ascending, in_asked_order
-from neuron_lmi.runners.buckets import chunk_buckets, pack_into_bins, pick_bucket, power_of_two_buckets
 
 if TYPE_CHECKING:
-    from neuron_lmi.compile.cpu_decode import CompiledDecode
-    from neuron_lmi.compile.cpu_extend import CompiledExtend
+    from neuron_lmi.backends.cpu.compiled_decode import CompiledDecode
+    from neuron_lmi.backends.cpu.compiled_extend import CompiledExtend
 
 
 class CpuRunner(ForwardByKind):
@@ -27,8 +27,8 @@ class CpuRunner(ForwardByKind):
     attends over the smallest token-generation bucket that covers every active row. ``extend``
     (when the model supports it) appends chunks to rows that already hold a prefix, in pieces of at
     most the largest context bucket, so a prompt longer than that bucket is prefilled in chunks.
-    ``compiled_decode`` and ``compiled_extend`` (set by the engine builder, ``compile.cpu_decode``
-    and ``compile.cpu_extend``) run the decode and extend steps they cover; with a compiled extend,
+    ``compiled_decode`` and ``compiled_extend`` (set by ``engine.open_compiled_graphs``, from the
+    modules of the same names) run the decode and extend steps they cover; with a compiled extend,
     a prefill is an extend from position 0 (no buckets or packing: the graph takes any length).
     The rest run the eager model. With the compiled step graph (``compiled_decode``) an ``extend``
     may mix decodes (chunks of one token) with prompt chunks, all in one forward where the graph

@@ -10,7 +10,7 @@ import pytest
 from neuron_lmi.cli import main
 from neuron_lmi.engine.llm import LLM
 from neuron_lmi.engine.types import SamplingParams
-from tests.compile.conftest import CompiledStore
+from tests.backends.cpu.conftest import CompiledStore
 
 pytestmark = pytest.mark.slow
 

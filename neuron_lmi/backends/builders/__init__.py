@@ -1,1 +1,0 @@
-"""One small module per backend, each registering its engine builder (``neuron_lmi.backends.registry``)."""
