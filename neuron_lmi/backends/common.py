@@ -13,14 +13,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from neuron_lmi.config.options import DEFAULT_MODEL
+from neuron_lmi.config.options import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MODEL
 
 if TYPE_CHECKING:
     from compile_cache import CompileCache
     from neuron_lmi.config import ResolvedConfig
     from neuron_lmi.engine.async_engine import AsyncEngine
-
-DEFAULT_PREFILL_TOKENS = 4096
 
 
 def model_cache_dir(env: Mapping[str, str]) -> Path:
@@ -103,7 +101,7 @@ def rolling_batch_engine(
         runner,
         tokenizer,
         eos_ids_for(config, tokenizer),
-        cfg.batching.max_prefill_tokens or DEFAULT_PREFILL_TOKENS,
+        cfg.batching.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS,
     )
     engine = AsyncEngine(core, model_name=model_name(resolved), max_queue_size=cfg.batching.max_queue_size)
     engine.backend_name = backend

@@ -116,35 +116,23 @@ def _cache(args: argparse.Namespace, compiled_graph_path: str | None) -> Any:
     return cache_for(compiled_graph_path, args.cache_dir)
 
 
-def _cpu_dtype(args: argparse.Namespace, resolved: Any) -> str:
-    from neuron_lmi.backends.cpu.engine import resolve_cpu_dtype
-
-    cfg = resolved.config
-    if cfg.parallel.tensor_parallel_degree not in (1, "max"):
-        raise ValueError("--tensor-parallel-degree: the cpu target compiles one rank (use 1)")
-    dtype = args.dtype or resolve_cpu_dtype(
-        None if resolved.source_of("dtype").startswith("default") else cfg.model.dtype
-    )
-    if dtype not in CPU_DTYPES:
-        raise ValueError(f"--dtype: the cpu target supports {', '.join(CPU_DTYPES)}, got {dtype!r}")
-    return dtype
-
-
 def _served_model(args: argparse.Namespace, resolved: Any) -> tuple[Path, Any, Any, Any, int]:
     """(path, engine options, checkpoint, model, n_positions): the model as ``serve`` builds it with
-    these settings (``backends.cpu.engine.load_cpu_model``), so both kinds of graph get serve's keys."""
+    these settings (``CpuEngineOptions.from_resolved``, ``load_cpu_model``), so both kinds of graph
+    get serve's keys."""
+    from dataclasses import replace
+
     from neuron_lmi.backends.cpu.engine import CpuEngineOptions, load_cpu_model
     from neuron_lmi.models.loader import resolve_model_path
 
     cfg = resolved.config
+    if cfg.parallel.tensor_parallel_degree not in (1, "max"):
+        raise ValueError("--tensor-parallel-degree: the cpu target compiles one rank (use 1)")
     path = resolve_model_path(cfg.model.model_id or DEFAULT_MODEL)
-    options = CpuEngineOptions(
-        model=str(path),
-        dtype=_cpu_dtype(args, resolved),
-        max_rolling_batch_size=cfg.batching.max_rolling_batch_size,
-        n_positions=cfg.batching.n_positions,
-        quantize=cfg.neuron.quantize,
-    )
+    # option.compiled_graph_path is the store this command writes into, not a runner to load here.
+    options = replace(CpuEngineOptions.from_resolved(resolved, path, tp_degree=1), compiled_graph_path=None)
+    if options.dtype not in CPU_DTYPES:
+        raise ValueError(f"--dtype: the cpu target supports {', '.join(CPU_DTYPES)}, got {options.dtype!r}")
     options.validate_quantize()
     ckpt, model, n_positions = load_cpu_model(options, path)
     return path, options, ckpt, model, n_positions

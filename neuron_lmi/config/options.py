@@ -62,6 +62,14 @@ DTYPE_ALIASES = {
 # Fallback when the model's max_position_embeddings is unknown; LMI's smart default caps at 4096.
 N_POSITIONS_FALLBACK = 2048
 N_POSITIONS_CAP = 4096
+# Batching defaults, here once: the configuration's fields and the CPU engine's options
+# (neuron_lmi.backends.cpu.engine.CpuEngineOptions, which the Python API builds without a
+# configuration) both read them.
+DEFAULT_MAX_ROLLING_BATCH_SIZE = 32
+DEFAULT_MAX_QUEUE_SIZE = 1000
+# option.max_prefill_tokens unset: how many prompt tokens one step of our engine prefills at most
+# (None stays None in the configuration, so vLLM keeps its own default).
+DEFAULT_MAX_PREFILL_TOKENS = 4096
 
 
 class ConfigError(ValueError):
@@ -155,11 +163,11 @@ class BatchingOptions(_Section):
     """
 
     rolling_batch: RollingBatch = "auto"
-    max_rolling_batch_size: int = Field(default=32, ge=1, le=4096)
+    max_rolling_batch_size: int = Field(default=DEFAULT_MAX_ROLLING_BATCH_SIZE, ge=1, le=4096)
     batch_size: int | None = Field(default=None, ge=1, le=4096)
     n_positions: int | None = Field(default=None, ge=1, le=1 << 20)
     context_length_estimate: tuple[int, ...] | None = None
-    max_queue_size: int = Field(default=1000, ge=1)
+    max_queue_size: int = Field(default=DEFAULT_MAX_QUEUE_SIZE, ge=1)
     max_prefill_tokens: int | None = Field(default=None, ge=1)
 
     @field_validator("rolling_batch", mode="before")

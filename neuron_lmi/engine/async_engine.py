@@ -20,9 +20,8 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from neuron_lmi.config.options import DEFAULT_MODEL
 from neuron_lmi.engine.admission import Capacity, check_accepting
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.detokenizer import TextSink, text_stream
@@ -36,6 +35,9 @@ from neuron_lmi.engine.types import (
     SamplingParams,
     TokenEvent,
 )
+
+if TYPE_CHECKING:
+    from neuron_lmi.backends.cpu.engine import CpuEngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +78,12 @@ class AsyncEngine:
         self.on_death: list[Any] = []
 
     @classmethod
-    def from_options(
-        cls,
-        model: str = DEFAULT_MODEL,
-        *,
-        max_queue_size: int = 256,
-        policy: JoinPolicy | None = None,
-        **options: Any,
-    ) -> AsyncEngine:
-        from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
+    def from_options(cls, options: CpuEngineOptions, policy: JoinPolicy | None = None) -> AsyncEngine:
+        """The CPU engine (``backends.cpu``) on a thread, built from its options whole."""
+        from neuron_lmi.backends.cpu.engine import build_cpu_engine_core
 
-        core, _config = build_cpu_engine_core(CpuEngineOptions(model=model, **options), policy)
-        return cls(core, model_name=model, max_queue_size=max_queue_size)
+        core, _config = build_cpu_engine_core(options, policy)
+        return cls(core, model_name=options.model, max_queue_size=options.max_queue_size)
 
     @property
     def tokenizer(self) -> Any:

@@ -29,9 +29,8 @@ import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from neuron_lmi.config.options import DEFAULT_MODEL
 from neuron_lmi.engine import engine_process as wire
 from neuron_lmi.engine.admission import Admission, AdmissionLimits, Capacity, check_accepting
 from neuron_lmi.engine.detokenizer import TextStream, text_decoder, text_stream
@@ -44,6 +43,9 @@ from neuron_lmi.engine.types import (
     SamplingParams,
     TokenEvent,
 )
+
+if TYPE_CHECKING:
+    from neuron_lmi.backends.cpu.engine import CpuEngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +99,10 @@ class ProcessEngine:
         self.admission = Admission(info.tokenizer.encode, limits)
 
     @classmethod
-    def from_options(
-        cls, model: str = DEFAULT_MODEL, *, max_queue_size: int = 256, policy: Any = None, **options: Any
-    ) -> ProcessEngine:
-        """The CPU engine (``CpuEngineOptions`` fields as keywords) in its own process."""
-        from neuron_lmi.backends.cpu.engine import CpuEngineOptions
-
-        factory = functools.partial(wire.cpu_engine_core, CpuEngineOptions(model=model, **options), policy)
-        return cls(factory, model_name=model, max_queue_size=max_queue_size)
+    def from_options(cls, options: CpuEngineOptions, policy: Any = None) -> ProcessEngine:
+        """The CPU engine (``backends.cpu``) in its own process, built there from its options whole."""
+        factory = functools.partial(wire.cpu_engine_core, options, policy)
+        return cls(factory, model_name=options.model, max_queue_size=options.max_queue_size)
 
     @property
     def tokenizer(self) -> Any:

@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from neuron_lmi.backends.cpu.engine import CpuEngineOptions
 from neuron_lmi.engine.async_engine import AsyncEngine
 from neuron_lmi.engine.process_engine import ProcessEngine
 from neuron_lmi.engine.types import EngineOverloadedError, FinishReason, InvalidRequestError, SamplingParams
@@ -21,9 +22,10 @@ ENGINES = {"thread": AsyncEngine, "process": ProcessEngine}
 @pytest.fixture(params=sorted(ENGINES))
 async def engine(request, tiny_llama_dir):
     # Its own core: the session's sync LLM must never be stepped from two threads.
-    eng = ENGINES[request.param].from_options(
-        str(tiny_llama_dir), max_queue_size=4, max_rolling_batch_size=4, n_positions=256
+    options = CpuEngineOptions(
+        model=str(tiny_llama_dir), max_queue_size=4, max_rolling_batch_size=4, n_positions=256
     )
+    eng = ENGINES[request.param].from_options(options)
     await eng.start()
     yield eng
     await eng.stop(grace_s=1.0)

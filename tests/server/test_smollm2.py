@@ -24,9 +24,12 @@ def smol_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
 
 @pytest.fixture(scope="module")
 def smol_engine():
+    from neuron_lmi.backends.cpu.engine import CpuEngineOptions
     from neuron_lmi.engine.async_engine import AsyncEngine
 
-    return AsyncEngine.from_options("smollm2", max_rolling_batch_size=1, n_positions=512)
+    return AsyncEngine.from_options(
+        CpuEngineOptions(model="smollm2", max_rolling_batch_size=1, n_positions=512)
+    )
 
 
 def test_smollm2_chat_and_invocations_match_engine(smol_server: ServerProcess, smol_engine) -> None:

@@ -1,4 +1,12 @@
-"""Assemble an ``EngineCore`` on the CPU runner from a model name, directory or GGUF file."""
+"""The CPU engine's options and its assembly: an ``EngineCore`` on the CPU runner from a model name,
+directory or GGUF file.
+
+``CpuEngineOptions`` is what the engine is built from. ``serve`` makes it from the resolved
+configuration (``CpuEngineOptions.from_resolved``); the Python API (``LLM``) and the tests build it
+from keywords. Its batching defaults are the configuration's (``config.options``); it departs from
+the configuration only where the library should: fp32 unless told, and eager unless
+``compile_graphs``.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from neuron_lmi.config.options import DEFAULT_MODEL
+from neuron_lmi.config.options import (
+    DEFAULT_MAX_PREFILL_TOKENS,
+    DEFAULT_MAX_QUEUE_SIZE,
+    DEFAULT_MAX_ROLLING_BATCH_SIZE,
+    DEFAULT_MODEL,
+)
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.scheduler import JoinPolicy
 
@@ -18,6 +31,7 @@ if TYPE_CHECKING:
     from compile_cache import CompileCache
     from neuron_lmi.backends.cpu.compiled_decode import OpenedPackage
     from neuron_lmi.backends.cpu.runner import CpuRunner
+    from neuron_lmi.config import ResolvedConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +73,12 @@ def resolve_cpu_dtype(dtype: str | None) -> str:
 class CpuEngineOptions:
     """What the CPU engine is built from; LMI names in comments."""
 
-    model: str = DEFAULT_MODEL  # option.model_id
+    model: str = DEFAULT_MODEL  # option.model_id (serve: the fetched local path)
     dtype: str = "fp32"  # option.dtype; "auto": bf16 on CPUs with native bf16, else fp32
-    max_rolling_batch_size: int = 32  # option.max_rolling_batch_size
+    max_rolling_batch_size: int = DEFAULT_MAX_ROLLING_BATCH_SIZE  # option.max_rolling_batch_size
     n_positions: int | None = None  # option.n_positions (default: min(max_position_embeddings, 2048))
-    max_prefill_tokens: int = 4096
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS  # option.max_prefill_tokens
+    max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE  # SERVING_JOB_QUEUE_SIZE: waiting beyond the free rows
     tensor_parallel_degree: int = 1  # option.tensor_parallel_degree (logical ranks on CPU)
     group_query_attention: str | None = None  # option.group_query_attention
     num_threads: int | None = None
@@ -84,6 +99,31 @@ class CpuEngineOptions:
     # server turns them on unless option.enforce_eager; off here so the library and the parity
     # tests run eager.
     compile_graphs: bool = False
+
+    @classmethod
+    def from_resolved(
+        cls, resolved: ResolvedConfig, model_path: str | Path, tp_degree: int
+    ) -> CpuEngineOptions:
+        """The CPU engine's view of the serving configuration, for the model fetched to ``model_path``
+        and ``tensor_parallel_degree`` already resolved (``max`` is 1 on the CPU). Unless a source set
+        ``option.dtype``, this host's dtype (:func:`resolve_cpu_dtype`): the configuration's own
+        default, fp16, is the Neuron one. The compiled step and extend run unless
+        ``option.enforce_eager``; ``option.compiled_graph_path`` turns on the AOT bucket runner."""
+        cfg = resolved.config
+        given = None if resolved.source_of("dtype").startswith("default") else cfg.model.dtype
+        return cls(
+            model=str(model_path),
+            dtype=resolve_cpu_dtype(given),
+            max_rolling_batch_size=cfg.batching.max_rolling_batch_size,
+            n_positions=cfg.batching.n_positions,
+            max_prefill_tokens=cfg.batching.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS,
+            max_queue_size=cfg.batching.max_queue_size,
+            tensor_parallel_degree=tp_degree,
+            compiled_graph_path=cfg.neuron.compiled_graph_path,
+            context_length_estimate=cfg.batching.context_length_estimate,
+            quantize=cfg.neuron.quantize,
+            compile_graphs=not cfg.model.enforce_eager,
+        )
 
     def dtype_name(self) -> str:
         """``dtype`` with ``auto`` resolved for this host; the name the compile cache keys on."""

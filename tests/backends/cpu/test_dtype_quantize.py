@@ -4,6 +4,7 @@ through the engine builder, ``serve``'s CPU builder and ``generate``."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,8 @@ def _cpu_builder_kwargs(monkeypatch: pytest.MonkeyPatch, model: Path, **cli: str
 
     seen: dict[str, Any] = {}
 
-    def record(model: str, **kwargs: Any) -> Any:
-        seen.update(kwargs)
+    def record(options: CpuEngineOptions, policy: Any = None) -> Any:
+        seen.update(dataclasses.asdict(options))
         return argparse.Namespace()
 
     monkeypatch.setattr(ProcessEngine, "from_options", staticmethod(record))
