@@ -29,6 +29,7 @@ from compile_cache.key import (
     token_generation_buckets,
 )
 from compile_cache.store import CompileCache, Entry
+from neuron_lmi.config.options import default_n_positions
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
@@ -107,7 +108,10 @@ def key_inputs_from_args(args: argparse.Namespace) -> CacheKeyInputs:
         config = json.loads(Path(config_path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{config_path}: not valid JSON ({exc})") from exc
-    n_positions = args.n_positions or min(int(config.get("max_position_embeddings", 4096)), 4096)
+    max_positions = config.get("max_position_embeddings")
+    n_positions = args.n_positions or default_n_positions(
+        max_positions if isinstance(max_positions, int) else None
+    )
     tokens = tuple(_int_list(args.token_buckets) or token_generation_buckets(n_positions))
     contexts = halved_context_buckets(tokens, _int_list(args.context_length_estimate))
     compiler, package = DEFAULT_COMPILERS[args.target]

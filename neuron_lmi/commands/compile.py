@@ -66,7 +66,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--n-positions",
         type=int,
-        help="option.n_positions (default min(max_position_embeddings, 2048) on cpu, 4096 on neuron)",
+        help="option.n_positions (default min(max_position_embeddings, 4096))",
     )
     p.add_argument(
         "--context-length-estimate", help="context buckets a,b,c (default half of each token bucket)"

@@ -27,7 +27,12 @@ from typing import Any
 from pydantic import SecretStr, ValidationError
 
 from neuron_lmi.config.keys import BY_LMI, KEYS, env_lookup, lookup
-from neuron_lmi.config.options import ConfigError, ServingConfig, default_n_positions
+from neuron_lmi.config.options import (
+    ConfigError,
+    ServingConfig,
+    default_n_positions,
+    default_n_positions_source,
+)
 from neuron_lmi.config.sources import (
     PROPERTIES_NAME,
     format_properties,
@@ -304,11 +309,7 @@ def apply_model_defaults(resolved: ResolvedConfig, max_position_embeddings: int 
     if resolved.config.batching.n_positions is not None:
         return resolved
     value = default_n_positions(max_position_embeddings)
-    label = (
-        f"{DEFAULT}:min(max_position_embeddings={max_position_embeddings}, 4096)"
-        if max_position_embeddings
-        else f"{DEFAULT}:{value}"
-    )
+    label = default_n_positions_source(max_position_embeddings)
     batching = resolved.config.batching.model_copy(update={"n_positions": value})
     config = resolved.config.model_copy(update={"batching": batching})
     estimate = batching.context_length_estimate

@@ -89,10 +89,21 @@ class ConfigError(ValueError):
 
 
 def default_n_positions(max_position_embeddings: int | None) -> int:
-    """LMI's smart default: ``min(max_position_embeddings, 4096)``, or 2048 when the model is unknown."""
+    """LMI's smart default: ``min(max_position_embeddings, 4096)``, or 2048 when the model is unknown.
+
+    The one rule for every backend and model source (local folder, built-in, ``s3://``, Hub, GGUF),
+    applied once the model's own limit can be read: by the loader for a local folder, by each
+    builder (or the CPU engine, which reads GGUF headers too) after the fetch."""
     if max_position_embeddings is None or max_position_embeddings <= 0:
         return N_POSITIONS_FALLBACK
     return min(int(max_position_embeddings), N_POSITIONS_CAP)
+
+
+def default_n_positions_source(max_position_embeddings: int | None) -> str:
+    """How :func:`default_n_positions` found its value, as ``ResolvedConfig.sources`` labels it."""
+    if max_position_embeddings is None or max_position_embeddings <= 0:
+        return f"default:{N_POSITIONS_FALLBACK}"
+    return f"default:min(max_position_embeddings={max_position_embeddings}, {N_POSITIONS_CAP})"
 
 
 def _parse_bool(value: Any) -> Any:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neuron_lmi.config.options import default_n_positions
+
 GIB = 1024**3
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral")
 # Keys a sparse-MoE config must state (transformers' defaults would silently pick 8 and 2).
@@ -83,8 +85,8 @@ class ModelSpec:
 
     @property
     def default_n_positions(self) -> int:
-        """LMI's smart default: ``min(max_position_embeddings, 4096)``."""
-        return min(self.max_position_embeddings, 4096)
+        """LMI's smart default, ``min(max_position_embeddings, 4096)``: the one rule serve applies."""
+        return default_n_positions(self.max_position_embeddings)
 
 
 @dataclass(frozen=True, slots=True)

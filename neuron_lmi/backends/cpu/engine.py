@@ -23,6 +23,8 @@ from neuron_lmi.config.options import (
     DEFAULT_MAX_QUEUE_SIZE,
     DEFAULT_MAX_ROLLING_BATCH_SIZE,
     DEFAULT_MODEL,
+    default_n_positions,
+    default_n_positions_source,
 )
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.scheduler import JoinPolicy
@@ -36,7 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-DEFAULT_MAX_N_POSITIONS = 2048
 # /proc/cpuinfo flags of CPUs with native bf16 matmuls (AVX-512 BF16 dot products, AMX tiles).
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 CPU_QUANTIZE = ("int8", "int4")  # option.quantize values the CPU engine runs (weight-only)
@@ -76,7 +77,7 @@ class CpuEngineOptions:
     model: str = DEFAULT_MODEL  # option.model_id (serve: the fetched local path)
     dtype: str = "fp32"  # option.dtype; "auto": bf16 on CPUs with native bf16, else fp32
     max_rolling_batch_size: int = DEFAULT_MAX_ROLLING_BATCH_SIZE  # option.max_rolling_batch_size
-    n_positions: int | None = None  # option.n_positions (default: min(max_position_embeddings, 2048))
+    n_positions: int | None = None  # option.n_positions (None: config.default_n_positions of the model)
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS  # option.max_prefill_tokens
     max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE  # SERVING_JOB_QUEUE_SIZE: waiting beyond the free rows
     tensor_parallel_degree: int = 1  # option.tensor_parallel_degree (logical ranks on CPU)
@@ -177,12 +178,14 @@ def build_cpu_engine_core(
         # After the compiled graphs, which trace dense weights; packing is for the eager runner.
         if options.pack_weights:
             pack_model(model)
+    how = "configured" if options.n_positions else default_n_positions_source(max_positions(ckpt.config))
     log.info(
-        "CPU engine: %s (%s), %d rows x %d positions, dtype %s, weights %s, KV cache %.1f MiB",
+        "CPU engine: %s (%s), %d rows x %d positions (%s), dtype %s, weights %s, KV cache %.1f MiB",
         ckpt.source,
         ckpt.config.architectures[0],
         options.max_rolling_batch_size,
         n_positions,
+        how,
         options.dtype_name(),
         options.quantize or "dense",
         runner.cache.nbytes() / 2**20,
@@ -193,9 +196,17 @@ def build_cpu_engine_core(
     return core, ckpt.config
 
 
+def max_positions(config: Any) -> int | None:
+    """A loaded checkpoint's ``max_position_embeddings`` (a GGUF file's ``context_length``), if known."""
+    value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def load_cpu_model(options: CpuEngineOptions, path: Path) -> tuple[Any, Any, int]:
     """Checkpoint -> (checkpoint, model, n_positions): built, then sharded across logical ranks,
-    then quantized (tensor parallelism splits dense weights, so it comes first)."""
+    then quantized (tensor parallelism splits dense weights, so it comes first). ``n_positions``
+    unset takes LMI's default from the checkpoint (``config.default_n_positions``), the rule
+    ``serve`` applies to every backend and model source."""
     from neuron_lmi.models import build_model
     from neuron_lmi.models.loader import load_checkpoint
     from neuron_lmi.models.quantize import quantize_model
@@ -205,8 +216,7 @@ def load_cpu_model(options: CpuEngineOptions, path: Path) -> tuple[Any, Any, int
     # parallelism has dense weights to split first. int8 re-quantizes them per row from their values.
     keep = options.quantize == "int4" and options.tensor_parallel_degree == 1
     ckpt = load_checkpoint(path, dtype=dtype, keep_quantized=keep)
-    max_pos = int(getattr(ckpt.config, "max_position_embeddings", DEFAULT_MAX_N_POSITIONS))
-    n_positions = options.n_positions or min(max_pos, DEFAULT_MAX_N_POSITIONS)
+    n_positions = options.n_positions or default_n_positions(max_positions(ckpt.config))
     if n_positions <= 1:
         raise ValueError(f"n_positions must be at least 2, got {n_positions}")
     model = build_model(ckpt.config, ckpt.state_dict, n_positions=n_positions, dtype=dtype)
