@@ -42,7 +42,7 @@ def fetch(resolved: ResolvedConfig, env: Mapping[str, str]) -> Path:
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
-    from neuron_lmi.model_source.hf_config import read_hf_config
+    from neuron_lmi.config.hf_config import read_hf_config
 
     return read_hf_config(path, "the Neuron backends")
 

@@ -220,7 +220,7 @@ def _compile_cpu_buckets(args: argparse.Namespace, resolved: Any) -> dict[str, A
 
 def _neuron_model_config(resolved: Any) -> tuple[Path, dict[str, Any]]:
     model_dir = Path(resolved.config.model.model_id or "")
-    from neuron_lmi.model_source.hf_config import read_hf_config
+    from neuron_lmi.config.hf_config import read_hf_config
 
     return model_dir, read_hf_config(model_dir, "--model: the neuron target")
 

@@ -201,7 +201,7 @@ def build_nxdi_runner(
     ``override_neuron_config.on_cpu`` the library's modeling code runs here on the CPU (``to_cpu``).
     """
     from neuron_lmi.backends.nxdi.plan import plan_nxdi
-    from neuron_lmi.model_source.hf_config import read_hf_config
+    from neuron_lmi.config.hf_config import read_hf_config
 
     model_config = read_hf_config(model_path, "the NxD Inference backend")
     plan = plan_nxdi(config, model_config, model_path, tp_degree, library_version, platform)

@@ -197,7 +197,7 @@ def _positive(value: Any) -> int | None:
 
 
 def read_model_config(model_path: str) -> dict[str, Any]:
-    from neuron_lmi.model_source.hf_config import read_hf_config
+    from neuron_lmi.config.hf_config import read_hf_config
 
     return read_hf_config(model_path, "the Neuron backend")
 

@@ -91,7 +91,7 @@ def _plan(
 ) -> Any:
     from neuron_lmi.backends.nxdi.plan import plan_nxdi
     from neuron_lmi.config import load_config
-    from neuron_lmi.model_source.hf_config import read_hf_config
+    from neuron_lmi.config.hf_config import read_hf_config
 
     props = checkpoint.parent / f"{checkpoint.name}-{rows}x{n_positions}.properties"
     props.write_text(
