@@ -51,9 +51,9 @@ def with_model_defaults(resolved: ResolvedConfig, path: str | Path) -> ResolvedC
     """``n_positions`` from LMI's smart default, ``min(max_position_embeddings, 4096)``, when no
     source set it (a fetched model is read only now)."""
     from neuron_lmi.config import apply_model_defaults
+    from neuron_lmi.config.hf_config import max_position_embeddings
 
-    value = read_config_json(path).get("max_position_embeddings")
-    return apply_model_defaults(resolved, value if isinstance(value, int) and value > 0 else None)
+    return apply_model_defaults(resolved, max_position_embeddings(read_config_json(path)))
 
 
 def cache_for(compiled_graph_path: str | None, cache_dir: str | Path | None = None) -> CompileCache:

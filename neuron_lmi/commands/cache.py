@@ -29,6 +29,7 @@ from compile_cache.key import (
     token_generation_buckets,
 )
 from compile_cache.store import CompileCache, Entry
+from neuron_lmi.config.hf_config import CONFIG_FILE, max_position_embeddings, read_hf_config_file
 from neuron_lmi.config.options import default_n_positions
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
@@ -103,15 +104,9 @@ def add_key_arguments(p: argparse.ArgumentParser) -> None:
 
 def key_inputs_from_args(args: argparse.Namespace) -> CacheKeyInputs:
     """Build the key inputs from ``add_key_arguments`` flags; raises ValueError naming the bad flag."""
-    config_path = args.model / "config.json" if args.model else args.model_config
-    try:
-        config = json.loads(Path(config_path).read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{config_path}: not valid JSON ({exc})") from exc
-    max_positions = config.get("max_position_embeddings")
-    n_positions = args.n_positions or default_n_positions(
-        max_positions if isinstance(max_positions, int) else None
-    )
+    config_path = args.model / CONFIG_FILE if args.model else args.model_config
+    config = read_hf_config_file(config_path, "--model" if args.model else "--model-config")
+    n_positions = args.n_positions or default_n_positions(max_position_embeddings(config))
     tokens = tuple(_int_list(args.token_buckets) or token_generation_buckets(n_positions))
     contexts = halved_context_buckets(tokens, _int_list(args.context_length_estimate))
     compiler, package = DEFAULT_COMPILERS[args.target]

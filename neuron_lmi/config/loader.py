@@ -16,7 +16,6 @@ as a Neuron setting.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -26,6 +25,7 @@ from typing import Any
 
 from pydantic import SecretStr, ValidationError
 
+from neuron_lmi.config.hf_config import max_position_embeddings, read_hf_config
 from neuron_lmi.config.keys import BY_LMI, KEYS, env_lookup, lookup
 from neuron_lmi.config.options import (
     ConfigError,
@@ -225,16 +225,14 @@ def _model_dir_candidates(properties_path: Path | None, env: Mapping[str, str]) 
 
 
 def _local_max_positions(model_id: str | None) -> int | None:
-    """``max_position_embeddings`` from a local Hugging Face directory, without importing transformers."""
-    if not model_id:
+    """``max_position_embeddings`` from a local Hugging Face directory, without importing transformers;
+    None for anything else (a built-in name, a GGUF file, ``s3://``, a Hub id) or an unreadable one."""
+    if not model_id or not Path(model_id).is_dir():
         return None
-    config_json = Path(model_id) / "config.json"
     try:
-        data = json.loads(config_json.read_text(encoding="utf-8")) if config_json.is_file() else {}
+        return max_position_embeddings(read_hf_config(model_id, "the configuration"))
     except (OSError, ValueError):
         return None
-    value = data.get("max_position_embeddings")
-    return value if isinstance(value, int) and value > 0 else None
 
 
 def load_config(

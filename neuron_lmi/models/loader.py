@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import transformers
 
+from neuron_lmi.config.hf_config import read_hf_config_file
 from neuron_lmi.models.builtin import BUILTIN_MODELS, resolve_builtin
 from neuron_lmi.models.gguf_loader import read_gguf
 from neuron_lmi.models.quant import QuantizedTensor
@@ -229,12 +230,7 @@ def read_hf_config(path: Path) -> transformers.PretrainedConfig:
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path}: missing; a Hugging Face checkpoint directory needs it")
-    try:
-        raw = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{config_path}: not valid JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config_path}: expected a JSON object, got {type(raw).__name__}")
+    raw = read_hf_config_file(config_path, "the CPU engine")
     model_type = raw.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ValueError(

@@ -14,11 +14,11 @@ Degrees are limited to the instance's core count.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neuron_lmi.config.hf_config import read_hf_config_file
 from neuron_lmi.config.options import default_n_positions
 
 GIB = 1024**3
@@ -171,12 +171,7 @@ def load_model_spec(ref: str) -> ModelSpec:
         raise ValueError(
             f"--model {ref!r} is neither a preset ({', '.join(PRESETS)}) nor a model directory or config.json"
         )
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} does not hold a JSON object")
+    config = read_hf_config_file(path, f"--model {ref!r}")
     return model_spec_from_config(config, name=str(path.parent.name or path))
 
 

@@ -51,16 +51,11 @@ def default_cpu_dtype(cpu_flags: Collection[str], capability: str) -> str:
 
 
 def host_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The first ``flags`` line of ``cpuinfo`` (empty where there is none: not Linux, or not x86)."""
-    try:
-        lines = cpuinfo.read_text().splitlines()
-    except OSError:
-        return frozenset()
-    for line in lines:
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
+    """The first ``flags`` line of ``cpuinfo`` (empty where there is none: not Linux, or not x86),
+    through the one cpuinfo reader (``models.native.cpuinfo_field``)."""
+    from neuron_lmi.models.native import cpuinfo_field
+
+    return frozenset(cpuinfo_field("flags", cpuinfo).split())
 
 
 def resolve_cpu_dtype(dtype: str | None) -> str:
