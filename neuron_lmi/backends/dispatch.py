@@ -37,6 +37,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from neuron_lmi.backends import registry
 from neuron_lmi.backends.host import (
     NEURON_LIBRARIES,
     NXDI,
@@ -71,7 +72,7 @@ log = logging.getLogger(__name__)
 
 REQUESTS = BACKEND_REQUESTS  # what --backend accepts
 BACKENDS = REQUESTS  # (kept under its old name)
-BACKEND_NAMES = ("cpu", "neuron-nxdi", "neuron-tnx", "vllm", "vllm-neuron")
+BACKEND_NAMES = tuple(sorted(registry.BUILTIN_MODULES))  # the registry's names, listed there once
 NEURON_BACKENDS = ("neuron-nxdi", "neuron-tnx", "vllm-neuron")
 MODEL_LOADERS = ("nxdi", "tnx", "vllm")
 NEURON_PIP_REPOSITORY = "https://pip.repos.neuron.amazonaws.com"
