@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from neuron_lmi.engine.admission import Capacity, check_accepting
 from neuron_lmi.engine.core import EngineCore
-from neuron_lmi.engine.detokenizer import TextSink, text_stream
+from neuron_lmi.engine.detokenizer import TextSink, TokenTexts, text_stream
 from neuron_lmi.engine.request import Request
 from neuron_lmi.engine.scheduler import JoinPolicy
 from neuron_lmi.engine.step_clock import StepClock, time_runner
@@ -57,6 +57,7 @@ class AsyncEngine:
 
     def __init__(self, core: EngineCore, model_name: str, max_queue_size: int = 256) -> None:
         self.core = core
+        self._texts = TokenTexts(core.tokenizer)  # each token id's text, decoded once
         self.model_name = model_name
         self.n_positions = core.runner.n_positions
         self.max_batch_size = core.runner.rows.n_rows
@@ -173,7 +174,8 @@ class AsyncEngine:
             self._aborts.put(request.request_id)
 
         request = self.core.make_request(prompt, params, request_id)
-        request.sink = TextSink(text_stream(self.core.tokenizer, request.prompt_ids, params), sink, stop)
+        text = text_stream(self.core.tokenizer, request.prompt_ids, params)
+        request.sink = TextSink(text, self._texts, sink, stop)
         return self._stream(request, mailbox)
 
     def _check_accepting(self) -> None:

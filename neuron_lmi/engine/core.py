@@ -2,7 +2,8 @@
 
 Single-threaded by design: only the engine thread (or ``LLM.generate``) calls ``step``; requests
 and aborts from other threads go through ``AsyncEngine``'s queues. The core works on token ids
-only: text and stop sequences are the fronts' (``engine.detokenizer.TextSink``, ``ProcessEngine``).
+only: every text (the printable text, each token's own, stop sequences) is the fronts'
+(``engine.detokenizer.TextSink``, ``ProcessEngine``), off the step's critical path.
 """
 
 from __future__ import annotations
@@ -88,7 +89,6 @@ class EngineCore:
         self.scheduler = Scheduler(max_prefill_tokens, policy, prefill, prefix, runner.rows, capabilities)
         self.requests: dict[str, Request] = {}
         self.steps = 0
-        self._texts: dict[int, str] = {}  # token id -> its text alone (decoded once)
 
     # -- requests -----------------------------------------------------------------------------
     def make_request(
@@ -185,7 +185,7 @@ class EngineCore:
         events = []
         for i, request in enumerate(sampled):
             top = tuple(
-                TopToken(t, self._token_text(t), lp)
+                TopToken(t, "", lp)
                 for t, lp in zip(out.top_ids[i], out.top_logprobs[i], strict=True)
             )
             try:
@@ -202,19 +202,13 @@ class EngineCore:
         top_n = request.params.prompt_logprobs
         if top_n is None or request.output_ids:
             return None
-        ids, text = request.prompt_ids, self._token_text
+        ids = request.prompt_ids
         chosen, top_ids, top_lps = prompt_logprobs(self.runner.prompt_logits(ids), ids, top_n)
         rest = (
-            PromptToken(t, text(t), lp, tuple(TopToken(a, text(a), v) for a, v in zip(ti, tv, strict=True)))
+            PromptToken(t, "", lp, tuple(TopToken(a, "", v) for a, v in zip(ti, tv, strict=True)))
             for t, lp, ti, tv in zip(ids[1:], chosen, top_ids, top_lps, strict=True)
         )
-        return (PromptToken(ids[0], text(ids[0]), None), *rest)
-
-    def _token_text(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
+        return (PromptToken(ids[0], "", None), *rest)
 
     def _accept(
         self,
@@ -238,8 +232,8 @@ class EngineCore:
             request_id=request.request_id,
             index=len(request.output_ids) - 1,
             token_id=token,
-            token_text=self._token_text(token),
-            text="",  # the front's (TextStream): stop sequences are matched there
+            token_text="",  # texts are the front's (TokenTexts, TextStream): stop sequences too
+            text="",
             logprob=logprob,
             special=token in self.special_ids,
             prompt_tokens=len(request.prompt_ids),

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from neuron_lmi.engine.stops import StopMatcher
-from neuron_lmi.engine.types import FinishReason, SamplingParams, StopText, TokenEvent
+from neuron_lmi.engine.types import FinishReason, PromptToken, SamplingParams, StopText, TokenEvent, TopToken
 
 # Prompt tokens kept as left context, so the first generated token decodes with its space.
 CONTEXT_TOKENS = 5
@@ -148,18 +148,48 @@ def text_stream(
     return TextStream(tokenizer, prompt_ids, params.stop, decode, params.stop_text)
 
 
-class TextSink:
-    """An event sink that puts each token's text on its event (``TextStream``) before passing it
-    on. When a stop sequence ends the request here, the passed event says ``STOP_SEQUENCE`` and
-    ``on_stop`` is called (the front then aborts the request in the core); nothing after a
-    request's last event passes."""
+class TokenTexts:
+    """Each token id's own text, special tokens included, decoded once per id: an event's
+    ``token_text`` and the texts of its alternatives and scored prompt. The core sends ids only;
+    a front fills these in."""
 
-    __slots__ = ("done", "on_stop", "sink", "text")
+    __slots__ = ("_decode", "_texts")
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._decode = text_decoder(tokenizer, skip_special_tokens=False)
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._decode([token_id])
+        return text
+
+    def alternatives(self, top: tuple[TopToken, ...]) -> tuple[TopToken, ...]:
+        return tuple(TopToken(t.id, self(t.id), t.logprob) for t in top)
+
+    def prompt(self, prompt: tuple[PromptToken, ...] | None) -> tuple[PromptToken, ...] | None:
+        if prompt is None:
+            return None
+        return tuple(PromptToken(p.id, self(p.id), p.logprob, self.alternatives(p.top)) for p in prompt)
+
+
+class TextSink:
+    """An event sink that puts each token's texts on its event (``TextStream``, ``TokenTexts``)
+    before passing it on. When a stop sequence ends the request here, the passed event says
+    ``STOP_SEQUENCE`` and ``on_stop`` is called (the front then aborts the request in the core);
+    nothing after a request's last event passes."""
+
+    __slots__ = ("done", "on_stop", "sink", "text", "texts")
 
     def __init__(
-        self, text: TextStream, sink: Callable[[TokenEvent], None], on_stop: Callable[[], None]
+        self,
+        text: TextStream,
+        texts: TokenTexts,
+        sink: Callable[[TokenEvent], None],
+        on_stop: Callable[[], None],
     ) -> None:
-        self.text, self.sink, self.on_stop, self.done = text, sink, on_stop, False
+        self.text, self.texts, self.sink, self.on_stop, self.done = text, texts, sink, on_stop, False
 
     def __call__(self, event: TokenEvent) -> None:
         if self.done:
@@ -168,7 +198,15 @@ class TextSink:
         if event.token_id >= 0:
             text, finish = self.text.add(event.token_id, event.finish_reason)
             stopped = finish is FinishReason.STOP_SEQUENCE and event.finish_reason is None
-            event = dataclasses.replace(event, text=text, finish_reason=finish)
+            texts = self.texts
+            event = dataclasses.replace(
+                event,
+                token_text=texts(event.token_id),
+                text=text,
+                finish_reason=finish,
+                top_tokens=texts.alternatives(event.top_tokens),
+                prompt=texts.prompt(event.prompt),
+            )
         self.done = event.finish_reason is not None
         self.sink(event)
         if stopped:

@@ -46,14 +46,16 @@ IDLE_POLL_S = 0.05
 UNEXPECTED = "\0unexpected"  # the ``field`` of a refusal that was an engine error, not a bad request
 EVENT_FIELDS = tuple(f.name for f in dataclasses.fields(TokenEvent))
 event_tuple = operator.attrgetter(*EVENT_FIELDS)
-REQUEST_ID, TOKEN_ID, TEXT, FINISH = (
-    EVENT_FIELDS.index(name) for name in ("request_id", "token_id", "text", "finish_reason")
+REQUEST_ID, TOKEN_ID, TOKEN_TEXT, TEXT, FINISH = (
+    EVENT_FIELDS.index(name) for name in ("request_id", "token_id", "token_text", "text", "finish_reason")
 )
+assert TEXT == TOKEN_TEXT + 1, "with_text writes the two texts side by side"
 
 
-def with_text(fields: tuple[Any, ...], text: str, finish: Any) -> tuple[Any, ...]:
-    """An event tuple with its ``text`` and ``finish_reason`` replaced (the API process's part)."""
-    return (*fields[:TEXT], text, *fields[TEXT + 1 : FINISH], finish, *fields[FINISH + 1 :])
+def with_text(fields: tuple[Any, ...], token_text: str, text: str, finish: Any) -> tuple[Any, ...]:
+    """An event tuple with its ``token_text``, ``text`` and ``finish_reason`` replaced (the API
+    process's part: the core sends ids only)."""
+    return (*fields[:TOKEN_TEXT], token_text, text, *fields[TEXT + 1 : FINISH], finish, *fields[FINISH + 1 :])
 
 
 # SamplingParams travel as the tuple of their fields: pickling the frozen dataclass itself costs

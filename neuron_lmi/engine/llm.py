@@ -8,7 +8,7 @@ from functools import partial
 
 from neuron_lmi.config.options import DEFAULT_MODEL
 from neuron_lmi.engine.core import EngineCore
-from neuron_lmi.engine.detokenizer import TextSink, text_decoder, text_stream
+from neuron_lmi.engine.detokenizer import TextSink, TokenTexts, text_decoder, text_stream
 from neuron_lmi.engine.scheduler import JoinPolicy
 from neuron_lmi.engine.types import FinishReason, SamplingParams, TokenEvent
 
@@ -64,12 +64,13 @@ class LLM:
             raise ValueError(f"{len(batch)} prompts but {len(param_list)} sampling parameter sets")
         completions: list[Completion] = []
         stopped: list[str] = []  # ended by a stop sequence here: aborted in the core after the step
-        skipping = text_decoder(self.core.tokenizer)
+        skipping, texts = text_decoder(self.core.tokenizer), TokenTexts(self.core.tokenizer)
         for prompt, p in zip(batch, param_list, strict=True):
             completion = Completion(request_id="", prompt_tokens=0)
             request = self.core.make_request(prompt, p)
             text = text_stream(self.core.tokenizer, request.prompt_ids, p, skipping)
-            request.sink = TextSink(text, _collector(completion), partial(stopped.append, request.request_id))
+            stop = partial(stopped.append, request.request_id)
+            request.sink = TextSink(text, texts, _collector(completion), stop)
             completion.request_id, completion.prompt_tokens = request.request_id, len(request.prompt_ids)
             completions.append(completion)
             self.core.add(request)

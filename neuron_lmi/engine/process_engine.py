@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from neuron_lmi.engine import engine_process as wire
 from neuron_lmi.engine.admission import Admission, AdmissionLimits, Capacity, check_accepting
-from neuron_lmi.engine.detokenizer import TextStream, text_decoder, text_stream
+from neuron_lmi.engine.detokenizer import TextStream, TokenTexts, text_decoder, text_stream
 from neuron_lmi.engine.streams import Mailbox, post, read_stream
 from neuron_lmi.engine.types import (
     EngineDeadError,
@@ -95,6 +96,7 @@ class ProcessEngine:
         self.vocab_size = info.vocab_size
         self._tokenizer = info.tokenizer
         self._decode = text_decoder(info.tokenizer)
+        self._texts = TokenTexts(info.tokenizer)
         limits = AdmissionLimits(self.n_positions, self.vocab_size, self.max_batch_size, max_queue_size)
         self.admission = Admission(info.tokenizer.encode, limits)
 
@@ -190,10 +192,14 @@ class ProcessEngine:
                 text, finish = live.text.add(fields[wire.TOKEN_ID], finish)
                 if finish is FinishReason.STOP_SEQUENCE:
                     stopped.append(request_id)
-                fields = wire.with_text(fields, text, finish)
+                fields = wire.with_text(fields, self._texts(fields[wire.TOKEN_ID]), text, finish)
             if finish is not None:
                 self._live.pop(request_id, None)
-            batch.append((live.mailbox, TokenEvent(*fields)))
+            event = TokenEvent(*fields)
+            if event.top_tokens or event.prompt:  # only where asked for: alternatives' texts too
+                top, prompt = self._texts.alternatives(event.top_tokens), self._texts.prompt(event.prompt)
+                event = dataclasses.replace(event, top_tokens=top, prompt=prompt)
+            batch.append((live.mailbox, event))
         self._snapshot, self._received = snapshot, received
         if batch:
             post(batch)

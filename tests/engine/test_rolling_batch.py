@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from neuron_lmi.engine.core import EngineCore
-from neuron_lmi.engine.detokenizer import TextSink, text_stream
+from neuron_lmi.engine.detokenizer import TextSink, TokenTexts, text_stream
 from neuron_lmi.engine.llm import LLM
 from neuron_lmi.engine.types import FinishReason, InvalidRequestError, SamplingParams, TokenEvent
 from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities
@@ -31,7 +31,8 @@ def collect(core: EngineCore, prompt, params: SamplingParams) -> list[TokenEvent
     events: list[TokenEvent] = []
     request = core.make_request(prompt, params)
     text = text_stream(core.tokenizer, request.prompt_ids, params)
-    request.sink = TextSink(text, events.append, lambda: STOPPED.append((core, request.request_id)))
+    stop = lambda: STOPPED.append((core, request.request_id))  # noqa: E731
+    request.sink = TextSink(text, TokenTexts(core.tokenizer), events.append, stop)
     core.add(request)
     return events
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from neuron_lmi.engine.detokenizer import IncrementalDetokenizer, TextSink, text_stream
+from neuron_lmi.engine.detokenizer import IncrementalDetokenizer, TextSink, TokenTexts, text_stream
 from neuron_lmi.engine.stops import StopMatcher
 from neuron_lmi.engine.types import FinishReason, SamplingParams, StopText, TokenEvent
 
@@ -122,12 +122,14 @@ def test_text_sink_ends_a_request_on_a_stop_sequence_and_passes_nothing_after(to
     params = SamplingParams(stop=("three",))
     passed: list[TokenEvent] = []
     stops: list[bool] = []
-    sink = TextSink(text_stream(tokenizer, prompt, params), passed.append, lambda: stops.append(True))
+    texts = TokenTexts(tokenizer)
+    sink = TextSink(text_stream(tokenizer, prompt, params), texts, passed.append, lambda: stops.append(True))
     for token in ids:
         sink(_token_event(token))
     sink(_token_event(-1, FinishReason.ABORT))  # the abort the front asked for: not passed on
     assert stops == [True] and passed[-1].finish_reason is FinishReason.STOP_SEQUENCE
     assert "".join(e.text for e in passed) == " one two "
+    assert [e.token_text for e in passed] == [tokenizer.decode([t]) for t in ids[: len(passed)]]
     assert all(e.finish_reason is None for e in passed[:-1])
 
 
@@ -137,7 +139,7 @@ def test_text_sink_leaves_a_token_level_end_to_the_core(tokenizer) -> None:
     passed: list[TokenEvent] = []
     stops: list[bool] = []
     text = text_stream(tokenizer, prompt, SamplingParams())
-    sink = TextSink(text, passed.append, lambda: stops.append(True))
+    sink = TextSink(text, TokenTexts(tokenizer), passed.append, lambda: stops.append(True))
     for i, token in enumerate(ids):
         sink(_token_event(token, FinishReason.LENGTH if i == len(ids) - 1 else None))
     assert stops == [] and passed[-1].finish_reason is FinishReason.LENGTH
