@@ -259,14 +259,14 @@ class Scheduler:
         """One EXTEND batch where the runner mixes steps; otherwise one batch per kind: new prompts,
         continued chunks, recomputed rows, decodes (first where every live row must step together,
         ``RunnerCapabilities.live_rows_step_together``)."""
-        decode = decision.decode
+        decode = [_decode_line(r) for r in decision.decode]
         if self.capabilities.mixed_steps and not decision.recompute and (chunks or decode):
-            lines = [_chunk_line(c) for c in chunks] + [_decode_line(r) for r in decode]
+            lines = [_chunk_line(c) for c in chunks] + decode
             return [_batch(BatchKind.EXTEND, lines, decodes=len(decode))]
         batches = []
         decode_first = self.capabilities.live_rows_step_together
         if decode and decode_first:
-            batches.append(_batch(BatchKind.DECODE, [_decode_line(r) for r in decode], len(decode)))
+            batches.append(_batch(BatchKind.DECODE, decode, len(decode)))
         fresh = [_chunk_line(c) for c in chunks if c.start == 0]
         more = [_chunk_line(c) for c in chunks if c.start > 0]
         if fresh:
@@ -277,7 +277,7 @@ class Scheduler:
             lines = [(r, 0, r.all_ids, True) for r in decision.recompute]
             batches.append(_batch(BatchKind.PREFILL, lines))
         if decode and not decode_first:
-            batches.append(_batch(BatchKind.DECODE, [_decode_line(r) for r in decode], len(decode)))
+            batches.append(_batch(BatchKind.DECODE, decode, len(decode)))
         return batches
 
     def finish(self, request: Request, keep_prefix: bool) -> None:
