@@ -5,9 +5,10 @@ environment variables, else defaults (the same resolution as ``serve``), so a la
 the same settings computes the same key and loads the entry instead of compiling:
 
 * ``--target cpu``: what ``serve`` with the same settings loads (``--graphs``, default by the
-  settings): without ``option.compiled_graph_path`` the decode and extend packages with frozen
-  weights that the CPU engine runs by default (``neuron_lmi/backends/cpu/compiled_decode.py``,
-  ``compiled_extend.py``; ``--quantize`` as served), in the default compile cache or ``--cache-dir``
+  settings): without ``option.compiled_graph_path`` the step package with frozen weights that the
+  CPU engine runs by default, and the extend package where the step graph leaves it prompt chunks
+  (``neuron_lmi/backends/cpu/compiled_decode.py``, ``compiled_extend.py``; ``--quantize`` as
+  served), in the default compile cache or ``--cache-dir``
   (serve then needs ``NEURON_LMI_CACHE_DIR`` pointing there); with it (or ``--cache-url``),
   AOTInductor packages per context and token-generation bucket for the AOT-compiled runner
   (``neuron_lmi/backends/cpu/aot.py``).
@@ -146,7 +147,7 @@ def _compile_cpu(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
 
 
 def _compile_cpu_frozen(args: argparse.Namespace, resolved: Any) -> dict[str, Any]:
-    """The decode and extend packages ``serve`` opens (``backends.cpu.engine.open_compiled_graphs``), for
+    """The frozen packages ``serve`` opens (``backends.cpu.engine.open_compiled_graphs``), for
     the model as served (quantized, same rows and positions), so its start loads them."""
     from neuron_lmi.backends.cpu.compiled_decode import decode_unsupported
     from neuron_lmi.backends.cpu.engine import open_compiled_graphs

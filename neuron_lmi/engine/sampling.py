@@ -8,7 +8,8 @@ in its row (and a feature no row uses is skipped), so a request pays only for wh
         ├─ repetition penalty (seen prompt + output tokens)    ├─ presence / frequency penalty
         ├─ logit_bias                                          ├─ grammar mask (GrammarState)
         ├─ min_tokens: stop tokens masked                      └─ argmax (greedy rows)
-        └─ / temperature ─> min_p ─> top_k ─> top_p ─> inverse-CDF draw (sampled rows)
+        └─ / temperature ─> min_p ─> top_k ─> top_p ─> inverse-CDF draw of softmax (sampled rows:
+                                                         ``models.token_draw``, no probabilities written)
 
 Reported log-probabilities are the model's own distribution (``log_softmax`` of the raw logits),
 independent of penalties, temperature and filters, as TGI and vLLM report them. A batch whose
@@ -29,10 +30,10 @@ import torch
 
 from neuron_lmi.engine.grammar import GrammarState, allowed_tokens
 from neuron_lmi.engine.types import SamplingParams
+from neuron_lmi.models.token_draw import draw_from_logits
 
 NEG_INF = float("-inf")
 TOP_CANDIDATES = 1024  # top_k/top_p look at this many most likely tokens first (filter_logits)
-DRAW_BLOCKS = (256, 128, 64, 32)  # block sizes of the two-level CDF (the first that divides vocab)
 ARGMAX_BLOCK = 256  # greedy_argmax's block: whole rows of block maxima, then one block scanned
 
 
@@ -178,30 +179,6 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return filter_logits(logits[None], torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([0.0]))[0]
 
 
-def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """One token per row by inverse CDF, from one uniform number of each row's own generator.
-
-    The CDF is two-level (sums of blocks of ``DRAW_BLOCKS[i]`` tokens, then a scan of the one block the
-    draw lands in), which reads ``probs`` once instead of writing a ``[B, vocab]`` prefix sum.
-    """
-    u = torch.cat([torch.rand(1, generator=g) for g in generators])
-    n, vocab = probs.shape
-    block = next((b for b in DRAW_BLOCKS if vocab % b == 0 and vocab > b), 0)
-    if not block:
-        cdf = probs.cumsum(dim=-1)
-        target = (1.0 - u)[:, None] * cdf[:, -1:]  # in (0, total]: never lands on a zero-mass token
-        return torch.searchsorted(cdf, target).clamp_(max=vocab - 1)[:, 0]
-    blocks = probs.view(n, vocab // block, block)
-    cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [n, vocab / block]
-    target = (1.0 - u)[:, None] * cdf[:, -1:]
-    b = torch.searchsorted(cdf, target).clamp_(max=cdf.shape[1] - 1)  # [n, 1]: the block
-    before = torch.where(b > 0, cdf.gather(1, (b - 1).clamp_(min=0)), torch.zeros_like(target))
-    inner = blocks.gather(1, b[:, :, None].expand(n, 1, block))[:, 0].cumsum(dim=-1)  # [n, block]
-    # Rounding between the block sums and the scan must not land on a zero-mass token at either end.
-    rest = torch.minimum(target - before, inner[:, -1:]).clamp_(min=torch.finfo(probs.dtype).tiny)
-    return (b * block + torch.searchsorted(inner, rest))[:, 0]
-
-
 def greedy_argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` for ``[B, vocab]``, first index on ties, in two levels: each block's
     maximum (``amax`` is vectorized, unlike the index-tracking reductions), the first block holding
@@ -277,10 +254,7 @@ def sample(
             torch.tensor([p.top_p for p in sub]),
             torch.tensor([p.min_p for p in sub]),
         )
-        # Unchanged logits (temperature 1, nothing applied): their softmax is exp(log_softmax).
-        unchanged = filtered is logits and logprobs_all is not None
-        probs = logprobs_all.exp() if unchanged else torch.softmax(filtered, dim=-1)  # type: ignore[union-attr]
-        picked = draw(probs, [generators[i] for i in rows])
+        picked = draw_from_logits(filtered, [generators[i] for i in rows])
         chosen = picked if every else chosen.index_put_((torch.tensor(rows),), picked)
     if logprobs_all is None:
         chosen_logprobs = [0.0] * len(params)

@@ -26,7 +26,10 @@ from neuron_lmi.engine.prefix import PrefixHit, PrefixIndex
 from neuron_lmi.engine.request import Request, Status
 from neuron_lmi.runners.base import BatchKind, RunnerCapabilities, StepBatch
 
-DEFAULT_STEP_TOKENS = 256
+# Tokens one step takes (decodes + prompt chunks) under ChunkedPrefill. 512 against 256 and 1,024, on
+# 1,000-token prompts beside 16 streams: the most generated and prompt tokens/s and the lowest TTFT
+# in bf16 and fp32, at a bounded inter-token latency p99 (docs/benchmarks.md).
+DEFAULT_STEP_TOKENS = 512
 DEFAULT_MIN_CHUNK = 32
 
 

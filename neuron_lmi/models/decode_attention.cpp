@@ -12,11 +12,14 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vector_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -24,6 +27,8 @@
 #endif
 
 namespace {
+
+using neuron_lmi_math::exp_nonpositive;
 
 // What one (query, KV head) item reads and writes; strides in elements.
 template <typename T>
@@ -43,25 +48,6 @@ struct Item {
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-
-// exp(x) for x <= 0 in plain arithmetic, so that an ``omp simd`` loop vectorises it (std::exp does
-// not): 2^n * 2^f as in exp16 below, 2^n built in the exponent bits, 0 below 2^-126.
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x * 1.44269504088896341f, -126.f);
-  const float n = std::nearbyint(t);
-  const float f = (t - n) * 0.693147180559945309f;
-  float p = 1.f / 720;
-  p = p * f + 1.f / 120;
-  p = p * f + 1.f / 24;
-  p = p * f + 1.f / 6;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.f ? 0.f : p * scale;
-}
 
 // Portable path: any head dim, any CPU. The ``omp simd`` loops let the compiler vectorise the sums
 // (a float reduction is not reordered otherwise) and the exponentials.
@@ -285,6 +271,192 @@ void attend_avx512(const Item<T>& it, int64_t groups, float scale, float* scratc
     for (int64_t g = 0; g < gn; ++g) store_values(it.out + (g0 + g) * it.out_stride, acc[g], kChunks);
   }
 }
+
+// A prompt chunk's queries: consecutive tokens of one row at consecutive positions, for one KV
+// head. Its lanes are (token, query head of the group) pairs, 16 to a tile. The per-query path
+// above reads the row's K/V again for every token and reduces every score horizontally; here each
+// block of keys is read once for all the item's lanes, and the scores of a tile come out 16 lanes
+// at a time: the queries are transposed once (lane-minor), and each key's elements are broadcast.
+// The softmax is taken online, block by block (running max and sum per lane, flash-style).
+template <typename T>
+struct ChunkItem {
+  const T* q;             // token t0's first query head of the group
+  int64_t q_token_stride;
+  int64_t q_head_stride;
+  const T* k;             // position 0 of this row and KV head
+  const T* v;
+  int64_t k_stride, v_stride;
+  T* out;                 // token t0's first output head of the group
+  int64_t out_token_stride;
+  int64_t start;          // token t0's position
+  int64_t tokens;
+};
+
+constexpr int kChunkKeys = 32;     // keys per block
+constexpr int kChunkLanes = 96;    // lanes per item (before rounding up to whole tokens)
+
+inline int64_t chunk_tokens_per_item(int64_t groups) { return std::max<int64_t>(1, kChunkLanes / groups); }
+inline int64_t chunk_tiles(int64_t groups) { return (chunk_tokens_per_item(groups) * groups + 15) / 16; }
+
+// Scores of keys [0, nk) against one tile: st[16 * j + lane] = q_lane . key_j (unscaled).
+// fp32: qt is [dim][16]; bf16 with AVX512-BF16: qt is [dim / 2][16] pairs of bf16.
+template <int kDim, int kKeysAtOnce>
+inline void tile_scores(const float* qt, const float* keys, int64_t ks, float* st) {
+  __m512 acc[kKeysAtOnce];
+  for (int j = 0; j < kKeysAtOnce; ++j) acc[j] = _mm512_setzero_ps();
+  for (int d = 0; d < kDim; ++d) {
+    const __m512 qv = _mm512_loadu_ps(qt + 16 * d);
+    for (int j = 0; j < kKeysAtOnce; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(keys[j * ks + d]), acc[j]);
+  }
+  for (int j = 0; j < kKeysAtOnce; ++j) _mm512_storeu_ps(st + 16 * j, acc[j]);
+}
+
+#if defined(__AVX512BF16__)
+template <int kDim, int kKeysAtOnce>
+inline void tile_scores(const float* qt, const c10::BFloat16* keys, int64_t ks, float* st) {
+  __m512 acc[kKeysAtOnce];
+  for (int j = 0; j < kKeysAtOnce; ++j) acc[j] = _mm512_setzero_ps();
+  for (int p = 0; p < kDim / 2; ++p) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt + 16 * p);
+    for (int j = 0; j < kKeysAtOnce; ++j) {
+      int32_t pair;
+      std::memcpy(&pair, keys + j * ks + 2 * p, sizeof pair);
+      acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_set1_epi32(pair));
+    }
+  }
+  for (int j = 0; j < kKeysAtOnce; ++j) _mm512_storeu_ps(st + 16 * j, acc[j]);
+}
+#endif
+
+template <typename T, int kDim>
+inline void block_scores(const float* qt, const T* keys, int64_t ks, int64_t nk, float* st) {
+  int64_t j = 0;
+  for (; j + 8 <= nk; j += 8) tile_scores<kDim, 8>(qt, keys + j * ks, ks, st + 16 * j);
+  for (; j < nk; ++j) tile_scores<kDim, 1>(qt, keys + j * ks, ks, st + 16 * j);
+}
+
+// Whether the chunk path runs type T: fp32 always; bf16 where the dot-product instruction exists.
+template <typename T>
+constexpr bool chunk_path_for() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return std::is_same<T, float>::value;
+#endif
+}
+
+template <typename T, int kChunks>
+void attend_chunk_avx512(const ChunkItem<T>& it, int64_t groups, float scale, int64_t window, float* scratch) {
+  constexpr int kDim = kChunks * 16;
+  constexpr int kLaneGroup = 16 / kChunks;  // lanes whose accumulators fit in 16 registers
+  constexpr bool kPairs = !std::is_same<T, float>::value;
+  const int64_t lanes = it.tokens * groups;
+  const int64_t tiles = (lanes + 15) / 16;
+  float* qt = scratch;                           // [tiles][kDim][16] (bf16: [kDim / 2][16] pairs)
+  float* o = qt + tiles * kDim * 16;             // [tiles][16][kDim], bf16 values' even/odd order
+  float* st = o + tiles * 16 * kDim;             // [kChunkKeys][16]
+  float* run_max = st + kChunkKeys * 16;         // [tiles][16]
+  float* run_sum = run_max + tiles * 16;         // [tiles][16]
+  int32_t* lane_last = reinterpret_cast<int32_t*>(run_sum + tiles * 16);  // [tiles][16]
+  int32_t* lane_first = lane_last + tiles * 16;                           // [tiles][16]
+  float alpha[16];
+  for (int64_t lane = 0; lane < tiles * 16; ++lane) {
+    const int64_t t = lane / 16, l = lane % 16;
+    float* q_tile = qt + t * kDim * 16;
+    if (lane < lanes) {
+      const int64_t i = lane / groups, g = lane % groups;
+      const int64_t pos = it.start + i;
+      lane_last[lane] = static_cast<int32_t>(pos);
+      lane_first[lane] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
+      const T* qv = it.q + i * it.q_token_stride + g * it.q_head_stride;
+      if constexpr (kPairs) {
+        for (int p = 0; p < kDim / 2; ++p) std::memcpy(q_tile + 16 * p + l, qv + 2 * p, 4);
+      } else {
+        for (int d = 0; d < kDim; ++d) q_tile[16 * d + l] = to_float(qv[d]);
+      }
+    } else {  // padding lanes: zero queries, never written out
+      lane_last[lane] = lane_last[lanes - 1];
+      lane_first[lane] = lane_first[lanes - 1];
+      for (int d = 0; d < kDim; ++d) q_tile[16 * d + l] = 0.f;
+    }
+    run_max[lane] = -std::numeric_limits<float>::infinity();
+    run_sum[lane] = 0.f;
+  }
+  std::fill(o, o + tiles * 16 * kDim, 0.f);
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  const __m512 floor16 = _mm512_set1_ps(-200.f);  // exp16 of it is 0; of -inf it is not defined
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t key_begin = lane_first[0], key_end = lane_last[lanes - 1] + 1;
+  for (int64_t kb = key_begin; kb < key_end; kb += kChunkKeys) {
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int32_t* last = lane_last + 16 * t;
+      const int32_t* first = lane_first + 16 * t;
+      // Lanes go by token, so a tile's lanes' ranges rise with the lane.
+      if (kb > last[15] || kb + kChunkKeys <= first[0]) continue;
+      const int64_t nk = std::min<int64_t>(kChunkKeys, last[15] + 1 - kb);
+      block_scores<T, kDim>(qt + t * kDim * 16, it.k + kb * it.k_stride, it.k_stride, nk, st);
+      const bool masked = kb + nk - 1 > last[0] || kb < first[15];
+      const __m512i last16 = _mm512_loadu_si512(last), first16 = _mm512_loadu_si512(first);
+      __m512 top = neg_inf;
+      for (int64_t j = 0; j < nk; ++j) {
+        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(st + 16 * j), scale16);
+        if (masked) {
+          const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(kb + j));
+          const __mmask16 seen = _mm512_cmp_epi32_mask(key, last16, _MM_CMPINT_LE) &
+                                 _mm512_cmp_epi32_mask(key, first16, _MM_CMPINT_NLT);
+          s = _mm512_mask_mov_ps(neg_inf, seen, s);
+        }
+        _mm512_storeu_ps(st + 16 * j, s);
+        top = _mm512_max_ps(top, s);
+      }
+      const __m512 old_max = _mm512_loadu_ps(run_max + 16 * t);
+      const __m512 new_max = _mm512_max_ps(old_max, top);
+      // A lane with no key seen yet keeps -inf; it shifts by 0 so that exp gives 0, not NaN.
+      const __m512 shift = _mm512_mask_mov_ps(new_max, _mm512_cmp_ps_mask(new_max, neg_inf, _CMP_EQ_OQ),
+                                              _mm512_setzero_ps());
+      const __m512 rescale = exp16(_mm512_max_ps(_mm512_sub_ps(old_max, shift), floor16));
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t j = 0; j < nk; ++j) {
+        const __m512 e = exp16(_mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(st + 16 * j), shift), floor16));
+        _mm512_storeu_ps(st + 16 * j, e);
+        total = _mm512_add_ps(total, e);
+      }
+      _mm512_storeu_ps(run_max + 16 * t, new_max);
+      _mm512_storeu_ps(run_sum + 16 * t,
+                       _mm512_fmadd_ps(_mm512_loadu_ps(run_sum + 16 * t), rescale, total));
+      _mm512_storeu_ps(alpha, rescale);
+      // Weighted values: a group of lanes' outputs in registers while the block's values stream.
+      const T* values = it.v + kb * it.v_stride;
+      float* o_tile = o + t * 16 * kDim;
+      for (int l0 = 0; l0 < 16; l0 += kLaneGroup) {
+        if (t * 16 + l0 >= lanes) break;
+        __m512 acc[kLaneGroup][kChunks];
+        for (int l = 0; l < kLaneGroup; ++l) {
+          const __m512 a = _mm512_set1_ps(alpha[l0 + l]);
+          for (int c = 0; c < kChunks; ++c)
+            acc[l][c] = _mm512_mul_ps(_mm512_loadu_ps(o_tile + (l0 + l) * kDim + 16 * c), a);
+        }
+        for (int64_t j = 0; j < nk; ++j) {
+          __m512 row[kChunks];
+          load_values(values + j * it.v_stride, row, kChunks);
+          for (int l = 0; l < kLaneGroup; ++l) {
+            const __m512 w = _mm512_set1_ps(st[16 * j + l0 + l]);
+            for (int c = 0; c < kChunks; ++c) acc[l][c] = _mm512_fmadd_ps(w, row[c], acc[l][c]);
+          }
+        }
+        for (int l = 0; l < kLaneGroup; ++l)
+          for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(o_tile + (l0 + l) * kDim + 16 * c, acc[l][c]);
+      }
+    }
+  }
+  for (int64_t lane = 0; lane < lanes; ++lane) {
+    const int64_t i = lane / groups, g = lane % groups;
+    const __m512 inv = _mm512_set1_ps(1.f / run_sum[lane]);
+    __m512 acc[kChunks];
+    for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_mul_ps(_mm512_loadu_ps(o + lane * kDim + 16 * c), inv);
+    store_values(it.out + i * it.out_token_stride + g * kDim, acc, kChunks);
+  }
+}
 #endif
 
 template <typename T>
@@ -332,17 +504,37 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     const T* vp = vc.data_ptr<T>();
     T* op = out.data_ptr<T>();
     const int64_t padded = (length + 15) / 16 * 16;
-    const int64_t items = queries * kv_heads;
     auto first_of = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, pos_p[r] - window + 1) : 0; };
-    // Queries differ in length: each thread gets a run of items of about equal cost (keys read plus
-    // a fixed part), not an equal count, so no thread waits for another at the end. A run keeps a
-    // chunk's queries together, so their row's K/V is read from cache after the first.
+    // Work units: (query, KV head) for a lone query (a decode), (run of up to
+    // chunk_tokens_per_item tokens, KV head) for a prompt chunk's consecutive tokens.
+    struct Unit {
+      int64_t query, tokens, head;
+    };
+    std::vector<Unit> units;
+    bool chunked = false;
+#if defined(__AVX512F__)
+    if constexpr (chunk_path_for<T>()) chunked = dim == 64 || dim == 128;
+#endif
+    const int64_t per_item = chunk_tokens_per_item(groups);
+    for (int64_t r = 0; r < queries;) {
+      int64_t n = 1;
+      if (chunked)
+        while (r + n < queries && n < per_item && row_p[r + n] == row_p[r] && pos_p[r + n] == pos_p[r] + n) ++n;
+      for (int64_t h = 0; h < kv_heads; ++h) units.push_back({r, n, h});
+      r += n;
+    }
+    const int64_t items = static_cast<int64_t>(units.size());
+    // Units differ in cost: each thread gets a run of units of about equal cost (keys read per
+    // lone query, a third of that per chunk token, plus a fixed part), not an equal count, so no
+    // thread waits for another at the end. A run keeps a chunk's units together, so their row's K/V
+    // is read from cache after the first.
     std::vector<int64_t> bounds{0};
     {
       std::vector<int64_t> cost(items + 1, 0);
       for (int64_t i = 0; i < items; ++i) {
-        const int64_t r = i / kv_heads;
-        cost[i + 1] = cost[i] + (pos_p[r] - first_of(r) + 1) + 16;
+        const Unit& u = units[i];
+        const int64_t keys = pos_p[u.query + u.tokens - 1] - first_of(u.query) + 1;
+        cost[i + 1] = cost[i] + (u.tokens == 1 ? keys : u.tokens * keys / 3) + 16;
       }
       const int64_t parts = std::min<int64_t>(at::get_num_threads(), items);
       for (int64_t p = 1; p < parts; ++p) {
@@ -351,16 +543,36 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       }
       bounds.push_back(items);
     }
+    const int64_t single_scratch = groups * (2 * dim + padded) + dim;
+    const int64_t tiles = chunked ? chunk_tiles(groups) : 0;
+    const int64_t chunk_scratch = tiles * (2 * dim * 16 + 4 * 16) + 32 * 16;
     at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t part_begin, int64_t part_end) {
-      std::vector<float> scratch(static_cast<size_t>(groups * (2 * dim + padded) + dim));
+      std::vector<float> scratch(static_cast<size_t>(std::max(single_scratch, chunk_scratch)));
       const int64_t begin = bounds[part_begin], end = bounds[part_end];
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t r = i / kv_heads, h = i % kv_heads;
+        const Unit& u = units[i];
+        const int64_t r = u.query, h = u.head;
+#if defined(__AVX512F__)
+        if constexpr (chunk_path_for<T>()) {
+          if (u.tokens > 1) {
+            const ChunkItem<T> item{qp + r * qc.stride(0) + h * groups * qc.stride(1), qc.stride(0), qc.stride(1),
+                                    kp + row_p[r] * kc.stride(0) + h * kc.stride(1),
+                                    vp + row_p[r] * vc.stride(0) + h * vc.stride(1), kc.stride(2), vc.stride(2),
+                                    op + (r * heads + h * groups) * dim, heads * dim, pos_p[r], u.tokens};
+            if (dim == 64) {
+              attend_chunk_avx512<T, 4>(item, groups, static_cast<float>(scale), window, scratch.data());
+            } else {
+              attend_chunk_avx512<T, 8>(item, groups, static_cast<float>(scale), window, scratch.data());
+            }
+            continue;
+          }
+        }
+#endif
         const int64_t last = pos_p[r], first = first_of(r);
         const T* next_k = nullptr;
         int64_t next_n = 0;
-        if (i + 1 < end) {
-          const int64_t nr = (i + 1) / kv_heads, nh = (i + 1) % kv_heads;
+        if (i + 1 < end && units[i + 1].tokens == 1) {
+          const int64_t nr = units[i + 1].query, nh = units[i + 1].head;
           next_k = kp + row_p[nr] * kc.stride(0) + nh * kc.stride(1) + first_of(nr) * kc.stride(2);
           next_n = pos_p[nr] - first_of(nr) + 1;
         }

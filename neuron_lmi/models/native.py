@@ -1,13 +1,13 @@
 """The C++ kernels of the ``neuron_lmi::`` ops, built once per host into one library.
 
-``packed_linear.cpp`` (the packed GEMMs) and ``decode_attention.cpp`` (the compiled decode's
-attention) compile together with torch's C++ extension builder (about 20 s) into
-``~/.cache/neuron-lmi/kernels/torch-<version>-<digest>``; later processes load the built library. The
-digest covers the sources, the flags and the CPU's instruction-set flags: the build targets this CPU
-(``-march=native``), so a cache directory shared with another kind of host builds again instead of
-running instructions that CPU lacks. Where the build fails (no compiler, no ninja) ``kernels`` says
-so once and registers each op module's Python kernels instead. ``NEURON_LMI_NATIVE_KERNELS=0`` forces
-that (the Python kernels' own tests).
+``packed_linear.cpp`` (the packed GEMMs), ``decode_attention.cpp`` (the compiled decode's
+attention) and ``token_draw.cpp`` (the sampler's draw) compile together with torch's C++ extension
+builder (about 20 s) into ``~/.cache/neuron-lmi/kernels/torch-<version>-<digest>``; later processes
+load the built library. The digest covers the sources, the flags and the CPU's instruction-set
+flags: the build targets this CPU (``-march=native``), so a cache directory shared with another kind
+of host builds again instead of running instructions that CPU lacks. Where the build fails (no
+compiler, no ninja) ``kernels`` says so once and registers each op module's Python kernels instead.
+``NEURON_LMI_NATIVE_KERNELS=0`` forces that (the Python kernels' own tests).
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ import torch
 log = logging.getLogger(__name__)
 
 NATIVE_ENV = "NEURON_LMI_NATIVE_KERNELS"  # "0": the Python kernels (debugging; their own tests)
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_linear.cpp", "decode_attention.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("packed_linear.cpp", "decode_attention.cpp", "token_draw.cpp")
+)
+HEADERS = (Path(__file__).with_name("vector_math.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp")  # OpenMP: at::parallel_for runs on ATen's threads
 NAME = "neuron_lmi_native"
 
@@ -49,7 +52,7 @@ def cpuinfo_field(name: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 def build_directory() -> Path:
     """Per torch version, sources, flags and CPU: any change builds again."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     digest.update(" ".join(FLAGS).encode())
     digest.update(cpuinfo_field("flags").encode())  # "" where unreadable: sources and flags only
@@ -76,13 +79,14 @@ def kernels() -> str:
     with _lock:
         if _kernels is None:
             # The library implements these modules' ops: they must be defined before it loads.
-            from neuron_lmi.models import decode_attention, packed_linear
+            from neuron_lmi.models import decode_attention, packed_linear, token_draw
 
             if _build():
                 _kernels = "native"
             else:
                 decode_attention.register_python_kernels()
                 packed_linear.register_python_kernels()
+                token_draw.register_python_kernels()
                 _kernels = "python"
     return _kernels
 

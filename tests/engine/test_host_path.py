@@ -1,4 +1,5 @@
-"""The host path's parts on their own: batched delivery, the two-level draw, the step clock, text."""
+"""The host path's parts on their own: batched delivery, the draw (native and Python kernels), the step
+clock, text."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import pytest
 import torch
 
 from neuron_lmi.engine.detokenizer import TextStream
-from neuron_lmi.engine.sampling import draw
 from neuron_lmi.engine.step_clock import StepClock, TimedRunner
 from neuron_lmi.engine.streams import Mailbox, post, read_stream
 from neuron_lmi.engine.types import FinishReason, TokenEvent
+from neuron_lmi.models import native, token_draw
 from neuron_lmi.runners.base import BatchKind, StepBatch
 from neuron_lmi.server.metrics import ServerMetrics
 
@@ -76,26 +77,45 @@ async def test_a_failed_mailbox_raises_after_the_events_before_it() -> None:
         await anext(stream)
 
 
-@pytest.mark.parametrize("vocab", [4096, 1000])  # two-level CDF, and the plain scan (no block divides)
-def test_draw_follows_the_distribution_and_never_picks_zero_mass(vocab: int) -> None:
-    torch.manual_seed(0)
+def _draw(kernel: str, logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    if kernel == "python":
+        return token_draw.reference(logits, uniform)
+    assert native.kernels() == "native"
+    return torch.ops.neuron_lmi.draw_from_logits(logits, uniform)
+
+
+@pytest.mark.parametrize("kernel", ["native", "python"])
+@pytest.mark.parametrize("vocab", [4096, 1000])  # whole blocks, and a last block cut short
+def test_draw_follows_the_distribution_and_never_picks_zero_mass(kernel: str, vocab: int) -> None:
     probs = torch.zeros(vocab)
     support = torch.tensor([0, 255, 256, 511, vocab - 1])  # block edges included
     weights = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
     probs[support] = weights
     n = 4000
-    gens = [torch.Generator().manual_seed(i) for i in range(n)]
-    picked = draw(probs.expand(n, vocab).contiguous(), gens)
+    logits = (probs.log() + 3.0).expand(n, vocab).contiguous()  # masked tokens: -inf
+    picked = _draw(kernel, logits, torch.rand(n, generator=torch.Generator().manual_seed(0)))
     assert set(picked.tolist()) <= set(support.tolist())
     freq = torch.bincount(picked, minlength=vocab)[support].float() / n
     assert torch.allclose(freq, weights, atol=0.03)
 
 
+def test_the_native_draw_picks_what_softmax_and_the_cdf_pick() -> None:
+    """Same logits, same uniform numbers: the same tokens, but where a number falls within rounding of
+    a boundary between two tokens (the kernels' exp and sums differ in the last bits)."""
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(512, 1000, generator=generator) * 3
+    logits[:, ::7] = float("-inf")
+    uniform = torch.rand(512, generator=generator)
+    native_picks, python_picks = _draw("native", logits, uniform), _draw("python", logits, uniform)
+    assert (native_picks == python_picks).float().mean() >= 0.99
+    assert not bool((native_picks % 7 == 0).any())
+
+
 def test_draw_is_reproducible_per_row_whatever_the_batch() -> None:
     torch.manual_seed(1)
-    probs = torch.softmax(torch.randn(3, 512), dim=-1)
-    alone = draw(probs[1:2], [torch.Generator().manual_seed(7)])
-    batched = draw(probs, [torch.Generator().manual_seed(s) for s in (3, 7, 9)])
+    logits = torch.randn(3, 512)
+    alone = token_draw.draw_from_logits(logits[1:2], [torch.Generator().manual_seed(7)])
+    batched = token_draw.draw_from_logits(logits, [torch.Generator().manual_seed(s) for s in (3, 7, 9)])
     assert batched[1] == alone[0]
 
 

@@ -1,6 +1,7 @@
 """``neuron_lmi::decode_attention``: the eager model's decode attention (SDPA over a masked cache
 slice) for every query at its own row and position, in fp32 and bf16, with and without a sliding
-window; queries sharing a row (a prompt chunk) equal causal SDPA over the chunk; the hand-vectorised
+window; queries sharing a row (a prompt chunk) equal causal SDPA over the chunk, beside decodes and
+other chunks in one call; the hand-vectorised
 path (head dims 64 and 128 on AVX-512 hosts) and the plain one (any other head dim); the Python
 kernel where the native one is off; a position or row outside the cache refused."""
 
@@ -95,6 +96,36 @@ def test_the_tokens_of_a_chunk_attend_causally_as_sdpa_over_the_chunk(window: in
     torch.testing.assert_close(got[:, :, 0].transpose(0, 1)[None], want, rtol=1e-5, atol=1e-5)
 
 
+# (row, first position, tokens) runs of a step's queries, in order: decodes (one token) and prompt
+# chunks (consecutive positions of one row), which the kernel takes a block of keys at a time for a
+# block of queries. 130 tokens pass one work item's share (96 query lanes); row 1's two runs leave a
+# gap in positions, so they are two chunks.
+STEP_RUNS = [(0, 50, 1), (1, 100, 70), (2, 0, 2), (3, 7, 1), (0, 120, 130), (1, 200, 3), (1, 180, 5)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 64), (8, 1, 128), (32, 8, 128)])
+@pytest.mark.parametrize("window", [0, 40])
+def test_prompt_chunks_beside_decodes_equal_the_eager_attention(
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int, window: int
+) -> None:
+    """Chunks of 2 to 130 tokens, after prefixes or from position 0, beside decodes of the same and
+    other rows: every query as the eager attention at its own row and position."""
+    torch.manual_seed(heads + dim + window)
+    k, v = cache_slices(4, kv_heads, 300, dim, dtype)
+    rows_list: list[int] = []
+    positions_list: list[int] = []
+    for row, start, n in STEP_RUNS:
+        rows_list += [row] * n
+        positions_list += range(start, start + n)
+    rows, positions = torch.tensor(rows_list), torch.tensor(positions_list)
+    q = torch.randn(len(rows), 1, heads, dim, dtype=dtype).transpose(1, 2)
+    got = da.decode_attention(q, k, v, rows, positions, dim**-0.5, window)
+    want = sdpa(q.float(), k[rows].float(), v[rows].float(), positions, dim**-0.5, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+
+
 def test_a_row_reads_only_its_own_positions() -> None:
     """Whatever lies past a row's position (padding, another request's stale keys) changes nothing."""
     torch.manual_seed(1)
@@ -102,9 +133,14 @@ def test_a_row_reads_only_its_own_positions() -> None:
     q = torch.randn(3, 9, 1, 64)
     rows, positions = torch.tensor([0, 1, 2]), torch.tensor([5, 17, 39])
     before = da.decode_attention(q, k, v, rows, positions, 0.125, 0)
-    k[0, :, 6:], v[1, :, 18:], k[3], v[3] = float("nan"), 1e30, float("nan"), float("nan")
-    after = da.decode_attention(q, k, v, rows, positions, 0.125, 0)
-    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    chunk = torch.randn(20, 9, 1, 64)  # a 20-token chunk of row 3 at positions 10..29
+    chunk_before = da.decode_attention(chunk, k, v, torch.full((20,), 3), torch.arange(10, 30), 0.125, 0)
+    k[0, :, 6:], v[1, :, 18:], k[2, :, :, :] = float("nan"), 1e30, float("nan")
+    k[3, :, 30:], v[3, :, 30:] = float("nan"), float("nan")
+    after = da.decode_attention(q[:2], k, v, rows[:2], positions[:2], 0.125, 0)
+    torch.testing.assert_close(after, before[:2], rtol=0, atol=0)
+    chunk_after = da.decode_attention(chunk, k, v, torch.full((20,), 3), torch.arange(10, 30), 0.125, 0)
+    torch.testing.assert_close(chunk_after, chunk_before, rtol=0, atol=0)
 
 
 def test_a_position_or_row_outside_the_cache_is_refused() -> None:

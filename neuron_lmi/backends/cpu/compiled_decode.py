@@ -2,8 +2,9 @@
 shares with the compiled extend (``compiled_extend``): ``FrozenPackage``, the cache key
 (``decode_key_inputs``), ``open_frozen_entry`` and ``export_package``.
 
-``CpuRunner`` copies rows eagerly; its decode steps, and the steps that mix decodes with short
-prompt chunks, run this package when one is loaded (long chunks run ``compiled_extend``'s). The package
+``CpuRunner`` copies rows eagerly; its decode steps, and the steps that mix decodes with prompt
+chunks, run this package when one is loaded (``compiled_extend``'s package runs the chunks this one
+leaves: ``extend_graph_needed``). The package
 holds a ``StepGraph``: a flat batch of tokens, each with its cache row and position, exported with
 a dynamic token count, logit count and attention length (``2 <= L < n_positions``), so one compile
 serves every step. A step that admits prompts while 27 rows decode thus runs one forward instead of
@@ -25,8 +26,8 @@ Frozen weights make the package depend on the weights' *values*: the cache key h
 fingerprint of the weight files, the model's architecture, dtype, quantization, rows, positions,
 the torch version and the CPU's instruction set. A compile takes minutes; the entry is stored in the
 compile cache, and later starts load it. Steps outside the package's range (the last position of a full-length
-row; more tokens than ``token_limit``; chunks whose attention ``CHUNK_PAIR_LIMIT`` leaves to the
-extend graph's SDPA) run the other way.
+row; more tokens than ``token_limit``; with Inductor's attention, chunks whose attention
+``CHUNK_PAIR_LIMIT`` leaves to the extend graph's SDPA) run the other way.
 """
 
 from __future__ import annotations
@@ -74,10 +75,26 @@ GRAPH_VERSIONS = MappingProxyType({"step": 1, "extend": 1})
 # One token is exported (the example has more: torch.export specialises a dimension whose example is
 # 1); the attention length starts at 2 (length 1 is never decoded, only padded).
 MIN_TOKENS, MIN_ATTN_LEN = 1, 2
-# Prompt chunks go through the step graph while their tokens attend to at most this many (query,
-# key) positions in all: the op reads a row's K/V again for each of its chunk's tokens (from cache),
-# where SDPA in the extend graph multiplies blocks. Four 60-token prompts are about 7,300.
+# With the Inductor form of the attention, prompt chunks go through the step graph while their
+# tokens attend to at most this many (query, key) positions in all: that form reads a row's K/V
+# again for each of its chunk's tokens, where SDPA in the extend graph multiplies blocks. Four
+# 60-token prompts are about 7,300. The op's form has no limit: it reads each block of keys once
+# for a block of a chunk's queries, faster than SDPA at every chunk length (docs/measurements.md).
 CHUNK_PAIR_LIMIT = 32_768
+
+
+def chunk_pair_limit() -> int | None:
+    """The (query, key) pairs a step's prompt chunks may hold in the step graph: None (any) with the
+    op's attention, ``CHUNK_PAIR_LIMIT`` with Inductor's."""
+    return None if decode_attention_form() == "op" else CHUNK_PAIR_LIMIT
+
+
+def extend_graph_needed(model: LlamaForCausalLM, n_rows: int, n_positions: int) -> bool:
+    """Whether prompt chunks need the extend graph beside the step graph: where the step graph
+    limits them (Inductor's attention: ``chunk_pair_limit``; quantized weights: ``token_limit``).
+    Elsewhere the step graph runs every chunk a step can hold, and not compiling the extend graph
+    saves most of a first start's compile."""
+    return chunk_pair_limit() is not None or token_limit(model, n_rows, n_positions) < n_rows + n_positions
 
 
 def inductor_configs(dtype: torch.dtype, graph: str, quantized: bool = False) -> dict[str, object]:
@@ -277,12 +294,12 @@ class CompiledDecode(FrozenPackage):
     def covers_chunks(self, starts: Sequence[int], lengths: Sequence[int]) -> bool:
         """Chunks of ``lengths`` tokens after ``starts`` cached positions (a decode is a chunk of
         one): within the token limit, the attention length under ``n_positions``, and the chunks'
-        (query, key) pairs within ``CHUNK_PAIR_LIMIT``."""
+        (query, key) pairs within ``chunk_pair_limit``."""
         spans = list(zip(starts, lengths, strict=True))
         if sum(lengths) > self.limit or max(s + n for s, n in spans) >= self.n_positions:
             return False
-        pairs = sum(n * s + n * (n + 1) // 2 for s, n in spans if n > 1)
-        return pairs <= CHUNK_PAIR_LIMIT
+        limit = chunk_pair_limit()
+        return limit is None or sum(n * s + n * (n + 1) // 2 for s, n in spans if n > 1) <= limit
 
     def __call__(
         self,

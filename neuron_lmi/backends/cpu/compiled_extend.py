@@ -7,7 +7,9 @@ Prefill is an extend from position 0, so one graph, exported with a dynamic numb
 reused prefix. Freezing lets Inductor pack the weights for oneDNN and fuse the elementwise work
 (norms, rotary, SiLU, residuals, masks) that dominates short eager prefills (docs/measurements.md).
 A compile takes minutes, once per model, dtype and cache shape; later starts load it from the
-compile cache.
+compile cache. It is compiled only where the step graph leaves prompt chunks to it
+(``compiled_decode.extend_graph_needed``): hosts whose decode attention is Inductor's form, and
+quantized models.
 """
 
 from __future__ import annotations

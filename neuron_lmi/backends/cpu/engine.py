@@ -234,16 +234,21 @@ def open_compiled_graphs(
 ) -> list[OpenedPackage]:
     """Set ``runner``'s decode and extend packages from ``store`` (default: the compile cache at
     ``$NEURON_LMI_CACHE_DIR``), compiled on a miss unless ``no_compile``; a graph the model or cache
-    shape has none of stays eager (logged). Returns the packages opened (``neuron-lmi compile``
+    shape has none of stays eager (logged). The extend package only where the step package leaves
+    prompt chunks to it (``extend_graph_needed``). Returns the packages opened (``neuron-lmi compile``
     reports them)."""
     from compile_cache import open_store
-    from neuron_lmi.backends.cpu.compiled_decode import CompiledDecode, open_frozen_entry
+    from neuron_lmi.backends.cpu.compiled_decode import CompiledDecode, extend_graph_needed, open_frozen_entry
     from neuron_lmi.backends.cpu.compiled_extend import CompiledExtend
 
     shape = (runner.rows.n_rows, runner.n_positions)
     store = store if store is not None else open_store()
     decode = open_frozen_entry(CompiledDecode, runner.model, path, *shape, store, no_compile)
-    extend = open_frozen_entry(CompiledExtend, runner.model, path, *shape, store, no_compile)
+    extend = None
+    if decode is None or extend_graph_needed(runner.model, *shape):
+        extend = open_frozen_entry(CompiledExtend, runner.model, path, *shape, store, no_compile)
+    else:
+        log.info("compiled extend not needed: the step graph runs every prompt chunk")
     runner.compiled_decode = None if decode is None else decode.package  # type: ignore[assignment]
     runner.compiled_extend = None if extend is None else extend.package  # type: ignore[assignment]
     return [opened for opened in (decode, extend) if opened is not None]

@@ -28,8 +28,8 @@ class CpuRunner(ForwardByKind):
     (when the model supports it) appends chunks to rows that already hold a prefix, in pieces of at
     most the largest context bucket, so a prompt longer than that bucket is prefilled in chunks.
     ``compiled_decode`` and ``compiled_extend`` (set by ``engine.open_compiled_graphs``, from the
-    modules of the same names) run the decode and extend steps they cover; with a compiled extend,
-    a prefill is an extend from position 0 (no buckets or packing: the graph takes any length).
+    modules of the same names) run the decode and extend steps they cover; with either, a prefill
+    is an extend from position 0 (no buckets or packing: the graphs take any length).
     The rest run the eager model. With the compiled step graph (``compiled_decode``) an ``extend``
     may mix decodes (chunks of one token) with prompt chunks, all in one forward where the graph
     covers them (``mixed_steps``: the engine then sends a whole step as one ``extend``).
@@ -78,7 +78,8 @@ class CpuRunner(ForwardByKind):
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         if len(rows) != len(prompts):
             raise ValueError("prefill: rows and prompts differ in length")
-        if self.compiled_extend is not None and all(prompts) and not any(self.rows.lengths(rows)):
+        compiled = self.compiled_extend is not None or self.compiled_decode is not None
+        if compiled and all(prompts) and not any(self.rows.lengths(rows)):
             return self.extend(rows, prompts)
         longest = self.context_buckets[-1]
         long = [i for i, p in enumerate(prompts) if len(p) > longest]

@@ -34,7 +34,7 @@ def on_library(model: str, library: str, pair_limit: int | None = None) -> objec
 @pytest.mark.parametrize(
     ("model", "library", "attention", "pair_limit"),
     [
-        on_library("tiny_llama_dir", "mkl", pair_limit=100),
+        on_library("tiny_llama_dir", "mkl"),
         on_library("tiny_llama_dir", "onednn"),
         ("tiny_mistral_dir", None, None, None),
         ("tiny_mistral_dir", None, "inductor", 100),  # the form CPUs without AVX-512 get
@@ -53,9 +53,10 @@ def test_compiled_graphs_equal_eager_token_for_token(
     decodes of rows anywhere in the cache; Mistral's 16-token sliding window is crossed; one row
     fills all 128 positions, so its last step (attention over the whole cache) runs eagerly.
     Prompts sharing a 16-token prefix with a running or retained row extend after a copied prefix.
-    Where the step graph covers a step it runs it whole: no step calls the runner twice. With a low
-    ``CHUNK_PAIR_LIMIT`` the longer chunks go to the extend graph and their step's decodes to the
-    step graph apart. The fp32 GEMMs run on MKL's and on oneDNN's packs (Mistral: the host's
+    Where the step graph covers a step it runs it whole: no step calls the runner twice. With the
+    op's attention there is no extend graph (the step graph takes every chunk); with Inductor's and
+    a low ``CHUNK_PAIR_LIMIT`` the longer chunks go to the extend graph and their step's decodes to
+    the step graph apart. The fp32 GEMMs run on MKL's and on oneDNN's packs (Mistral: the host's
     library); the decode attention is the host's form, and for Mistral the Inductor form too."""
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
     if library is not None:
@@ -69,7 +70,8 @@ def test_compiled_graphs_equal_eager_token_for_token(
     runner = compiled.core.runner
     package, extend = runner.compiled_decode, runner.compiled_extend
     assert eager.core.runner.compiled_decode is None and eager.core.runner.compiled_extend is None
-    assert package is not None and extend is not None
+    assert package is not None
+    assert (extend is None) == (compiled_decode.chunk_pair_limit() is None)
     forwards_per_step = _count_forwards(compiled)
     ids = list(range(300, 420))
     prompts = [ids[:3], ids[:40], ids[:100], ids[5:6], ids[10:30], ids[:64]]
@@ -83,9 +85,11 @@ def test_compiled_graphs_equal_eager_token_for_token(
     if packed_linear.host_library() is not None:  # fp32 GEMMs on packs of the package's own weights
         assert packed_linear.cached_packs() >= len(compiled_decode.matmul_weights(runner.model))
     # The first step's 144 prompt tokens pass the step graph's limit (4 rows + 128): the extend
-    # graph, in a call per chunk bucket. After it, every step is one call (none: the eager last
-    # position), unless a low pair limit sends long chunks to the extend graph beside the decodes.
-    assert extend.steps >= (3 if pair_limit else 1) and forwards_per_step.count(1) > 30
+    # graph, in a call per chunk bucket, or the eager model where there is none. After it, every
+    # step is one call (none: the eager last position), unless a low pair limit sends long chunks to
+    # the extend graph beside the decodes.
+    assert extend is None or extend.steps >= (3 if pair_limit else 1)
+    assert forwards_per_step.count(1) > 30
     assert (max(forwards_per_step[1:]) > 1) == bool(pair_limit)
     assert not package.covers_chunks([N_POSITIONS - 1], [1])  # the full-cache step: eager
     assert runner.rows.in_use() == []
@@ -97,19 +101,25 @@ def _count_forwards(llm: LLM) -> list[int]:
     counts: list[int] = []
     step = core.step
 
+    def calls() -> int:
+        extend = runner.compiled_extend
+        return runner.compiled_decode.steps + (0 if extend is None else extend.steps)
+
     def counted_step() -> object:
-        before = runner.compiled_decode.steps + runner.compiled_extend.steps
+        before = calls()
         events = step()
-        counts.append(runner.compiled_decode.steps + runner.compiled_extend.steps - before)
+        counts.append(calls() - before)
         return events
 
     core.step = counted_step  # type: ignore[method-assign]
     return counts
 
 
-def test_the_step_graph_takes_what_it_runs_well() -> None:
-    """Any rows (no window), up to its token limit; chunks while their attention pairs stay within
-    ``CHUNK_PAIR_LIMIT`` (past it SDPA in the extend graph does better); never the last position."""
+def test_the_step_graph_takes_what_it_runs_well(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any rows (no window), up to its token limit; with Inductor's attention, chunks while their
+    attention pairs stay within ``CHUNK_PAIR_LIMIT`` (past it SDPA in the extend graph does better),
+    with the op's any chunk; never the last position."""
+    monkeypatch.setenv(graphs.ATTENTION_ENV, "inductor")
     step = compiled_decode.CompiledDecode.__new__(compiled_decode.CompiledDecode)
     step.limit, step.n_positions = 40, 128
     assert step.covers_chunks([10, 11, 12], [1, 1, 1]) and step.covers_chunks([126], [1])  # decodes
@@ -121,6 +131,9 @@ def test_the_step_graph_takes_what_it_runs_well() -> None:
     wide.limit, wide.n_positions = 1000, 2048
     assert wide.covers_chunks([0] * 4, [60] * 4)  # four 60-token prompts: 7,320 pairs
     assert not wide.covers_chunks([1000], [200])  # 220,100 pairs: the extend graph
+    monkeypatch.setenv(graphs.ATTENTION_ENV, "op")
+    assert wide.covers_chunks([1000], [200]) and wide.covers_chunks([0, 0], [500, 499])
+    assert not wide.covers_chunks([0, 0], [500, 501]) and not wide.covers_chunks([2000], [48])
 
 
 def test_second_start_loads_from_the_cache_without_compiling(
@@ -129,9 +142,10 @@ def test_second_start_loads_from_the_cache_without_compiling(
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
     first = _llm(tiny_llama_dir, compile_graphs=True)
     assert first.core.runner.compiled_decode is not None
-    assert list(tmp_path.rglob(compiled_decode.PACKAGE_FILE)) and list(
-        tmp_path.rglob(compiled_extend.PACKAGE_FILE)
-    )
+    # The extend graph only where the step graph leaves it prompt chunks.
+    needed = compiled_decode.extend_graph_needed(first.core.runner.model, N_ROWS, N_POSITIONS)
+    assert list(tmp_path.rglob(compiled_decode.PACKAGE_FILE))
+    assert bool(list(tmp_path.rglob(compiled_extend.PACKAGE_FILE))) == needed
 
     def fail(*_: object) -> None:
         raise AssertionError("compiled again on a cache hit")
@@ -139,7 +153,8 @@ def test_second_start_loads_from_the_cache_without_compiling(
     monkeypatch.setattr(compiled_decode.CompiledDecode, "compile_package", staticmethod(fail))
     monkeypatch.setattr(compiled_extend.CompiledExtend, "compile_package", staticmethod(fail))
     second = _llm(tiny_llama_dir, compile_graphs=True)
-    assert second.core.runner.compiled_decode is not None and second.core.runner.compiled_extend is not None
+    assert second.core.runner.compiled_decode is not None
+    assert (second.core.runner.compiled_extend is not None) == needed
     prompt, params = [list(range(50, 70))], [SamplingParams(max_new_tokens=6, temperature=0.0)]
     assert [c.token_ids for c in second.generate(prompt, params)] == [
         c.token_ids for c in first.generate(prompt, params)
@@ -205,8 +220,10 @@ def test_compiled_extend_writes_the_cache_and_logits_eager_does(
 ) -> None:
     """Row by row against ``LlamaForCausalLM.extend``: one row and one token (the smallest sizes
     the graph takes), and three rows of different lengths after different prefixes (padding
-    writes leave the slots after each chunk as they were)."""
+    writes leave the slots after each chunk as they were). Compiled here even where the step graph
+    runs every chunk (``extend_graph_needed``)."""
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled_decode, "extend_graph_needed", lambda *_: True)
     runner = _llm(tiny_llama_dir, compile_graphs=True).core.runner
     extend = runner.compiled_extend
     assert extend is not None
@@ -260,7 +277,7 @@ def test_bf16_graphs_follow_the_eager_bf16_engine(
     eager = _llm(tiny_llama_dir, dtype="bf16").core.runner
     compiled = _llm(tiny_llama_dir, dtype="bf16", compile_graphs=True).core.runner
     decode, extend = compiled.compiled_decode, compiled.compiled_extend
-    assert decode is not None and extend is not None
+    assert decode is not None
     assert (
         "max_autotune=True"
         in compiled_decode.decode_key_inputs(
@@ -268,7 +285,7 @@ def test_bf16_graphs_follow_the_eager_bf16_engine(
         ).compiler_flags
     )
     want, got = _teacher_forced(eager), _teacher_forced(compiled)
-    assert decode.steps == 5 and extend.steps == 0  # 49 prompt tokens: the step graph's too
+    assert decode.steps == 5 and (extend is None or extend.steps == 0)  # 49 prompt tokens: the step graph's
     assert (got - want).abs().max() < 0.05 * want.abs().max()
 
 
