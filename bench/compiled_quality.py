@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from bench.quantization import PROMPTS, TEXT
-from neuron_lmi.engine.llm import LLM
+from neuron_lmi.backends.cpu.llm import LLM
 
 
 def build(model: str, dtype: str, compiled: bool, rows: int, n_positions: int) -> LLM:

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from neuron_lmi.engine.llm import LLM
+from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.engine.types import SamplingParams
 
 WORDS = [

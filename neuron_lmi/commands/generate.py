@@ -37,7 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuron_lmi.engine.llm import LLM
+    from neuron_lmi.backends.cpu.llm import LLM
 
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,

@@ -20,13 +20,12 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from neuron_lmi.engine.admission import Capacity, check_accepting
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.detokenizer import TextSink, TokenTexts, text_stream
 from neuron_lmi.engine.request import Request
-from neuron_lmi.engine.scheduler import JoinPolicy
 from neuron_lmi.engine.step_clock import StepClock, time_runner
 from neuron_lmi.engine.streams import Mailbox, post, read_stream
 from neuron_lmi.engine.types import (
@@ -35,9 +34,6 @@ from neuron_lmi.engine.types import (
     SamplingParams,
     TokenEvent,
 )
-
-if TYPE_CHECKING:
-    from neuron_lmi.backends.cpu.engine import CpuEngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +73,6 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self.failure: BaseException | None = None
         self.on_death: list[Any] = []
-
-    @classmethod
-    def from_options(cls, options: CpuEngineOptions, policy: JoinPolicy | None = None) -> AsyncEngine:
-        """The CPU engine (``backends.cpu``) on a thread, built from its options whole."""
-        from neuron_lmi.backends.cpu.engine import build_cpu_engine_core
-
-        core, _config = build_cpu_engine_core(options, policy)
-        return cls(core, model_name=options.model, max_queue_size=options.max_queue_size)
 
     @property
     def tokenizer(self) -> Any:

@@ -11,9 +11,9 @@ empty: the API process fills it in), the requests the core refused, and a stats 
 
 ``ProcessEngine`` starts it as a fresh interpreter (``BOOTSTRAP``; never a fork: torch and fork do
 not mix, and unlike ``multiprocessing``'s spawn it never re-imports the caller's ``__main__``). It
-builds its ``EngineCore`` with a picklable factory (``cpu_engine_core`` for the CPU backend),
-ignores SIGINT/SIGTERM (the API process decides when it stops: a drain must not lose its engine
-to a signal sent to the whole process group) and exits when the socket closes.
+builds its ``EngineCore`` with a picklable factory (``backends.cpu.engine.cpu_engine_core`` for the
+CPU backend), ignores SIGINT/SIGTERM (the API process decides when it stops: a drain must not lose
+its engine to a signal sent to the whole process group) and exits when the socket closes.
 """
 
 from __future__ import annotations
@@ -79,13 +79,6 @@ class EngineInfo:
     rows_total: int
     vocab_size: int
     tokenizer: Any
-
-
-def cpu_engine_core(options: Any, policy: Any = None) -> Any:
-    """The CPU engine's ``EngineCore`` from ``CpuEngineOptions`` (a factory for ``ProcessEngine``)."""
-    from neuron_lmi.backends.cpu.engine import build_cpu_engine_core
-
-    return build_cpu_engine_core(options, policy)[0]
 
 
 # Run by ``python -c BOOTSTRAP FD`` in a fresh interpreter: take the API process's ``sys.path``

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import socket
@@ -30,7 +29,7 @@ import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from neuron_lmi.engine import engine_process as wire
 from neuron_lmi.engine.admission import Admission, AdmissionLimits, Capacity, check_accepting
@@ -44,9 +43,6 @@ from neuron_lmi.engine.types import (
     SamplingParams,
     TokenEvent,
 )
-
-if TYPE_CHECKING:
-    from neuron_lmi.backends.cpu.engine import CpuEngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +95,6 @@ class ProcessEngine:
         self._texts = TokenTexts(info.tokenizer)
         limits = AdmissionLimits(self.n_positions, self.vocab_size, self.max_batch_size, max_queue_size)
         self.admission = Admission(info.tokenizer.encode, limits)
-
-    @classmethod
-    def from_options(cls, options: CpuEngineOptions, policy: Any = None) -> ProcessEngine:
-        """The CPU engine (``backends.cpu``) in its own process, built there from its options whole."""
-        factory = functools.partial(wire.cpu_engine_core, options, policy)
-        return cls(factory, model_name=options.model, max_queue_size=options.max_queue_size)
 
     @property
     def tokenizer(self) -> Any:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from neuron_lmi.engine.llm import LLM
+from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.engine.types import SamplingParams
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuron_lmi.engine.llm import LLM
+from neuron_lmi.backends.cpu.llm import LLM
 
 
 @pytest.fixture(scope="session")

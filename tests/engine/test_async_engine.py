@@ -9,14 +9,12 @@ import asyncio
 
 import pytest
 
-from neuron_lmi.backends.cpu.engine import CpuEngineOptions
-from neuron_lmi.engine.async_engine import AsyncEngine
-from neuron_lmi.engine.process_engine import ProcessEngine
+from neuron_lmi.backends.cpu.engine import CpuEngineOptions, cpu_process_engine, cpu_thread_engine
 from neuron_lmi.engine.types import EngineOverloadedError, FinishReason, InvalidRequestError, SamplingParams
 
 from .conftest import random_prompts
 
-ENGINES = {"thread": AsyncEngine, "process": ProcessEngine}
+ENGINES = {"thread": cpu_thread_engine, "process": cpu_process_engine}
 
 
 @pytest.fixture(params=sorted(ENGINES))
@@ -25,7 +23,7 @@ async def engine(request, tiny_llama_dir):
     options = CpuEngineOptions(
         model=str(tiny_llama_dir), max_queue_size=4, max_rolling_batch_size=4, n_positions=256
     )
-    eng = ENGINES[request.param].from_options(options)
+    eng = ENGINES[request.param](options)
     await eng.start()
     yield eng
     await eng.stop(grace_s=1.0)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.backends.cpu.runner import CpuRunner
 from neuron_lmi.engine.core import EngineCore
-from neuron_lmi.engine.llm import LLM
 from neuron_lmi.engine.scheduler import ChunkedPrefill, WholePrompts
 from neuron_lmi.engine.types import FinishReason, SamplingParams
 from neuron_lmi.runners.base import ForwardByKind

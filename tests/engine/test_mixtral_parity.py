@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuron_lmi.engine.llm import LLM
+from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.models import MixtralForCausalLM
 from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from neuron_lmi.backends.cpu.engine import CpuEngineOptions
-from neuron_lmi.engine.llm import LLM
+from neuron_lmi.backends.cpu.engine import CpuEngineOptions, cpu_process_engine
+from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.engine.process_engine import ProcessEngine
 from neuron_lmi.engine.types import (
     EngineDeadError,
@@ -24,7 +24,7 @@ from .conftest import random_prompts
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: Path) -> Iterator[ProcessEngine]:
-    eng = ProcessEngine.from_options(
+    eng = cpu_process_engine(
         CpuEngineOptions(model=str(tiny_llama_dir), max_rolling_batch_size=4, n_positions=256)
     )
     yield eng
@@ -94,7 +94,7 @@ async def test_host_time_per_step_is_reported(engine: ProcessEngine) -> None:
 
 
 async def test_a_dead_engine_process_ends_every_stream_and_is_reported(tiny_llama_dir: Path) -> None:
-    engine = ProcessEngine.from_options(
+    engine = cpu_process_engine(
         CpuEngineOptions(model=str(tiny_llama_dir), max_rolling_batch_size=2, n_positions=256)
     )
     deaths: list[BaseException] = []
@@ -115,6 +115,6 @@ async def test_a_dead_engine_process_ends_every_stream_and_is_reported(tiny_llam
 
 def test_a_model_that_cannot_load_fails_the_constructor(tmp_path: Path) -> None:
     with pytest.raises((FileNotFoundError, ValueError, OSError)):
-        ProcessEngine.from_options(
+        cpu_process_engine(
             CpuEngineOptions(model=str(tmp_path / "no-such-model"), max_rolling_batch_size=1)
         )

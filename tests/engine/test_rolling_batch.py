@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.detokenizer import TextSink, TokenTexts, text_stream
-from neuron_lmi.engine.llm import LLM
 from neuron_lmi.engine.types import FinishReason, InvalidRequestError, SamplingParams, TokenEvent
 from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuron_lmi.engine.llm import LLM
+from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.engine.types import SamplingParams
 from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint

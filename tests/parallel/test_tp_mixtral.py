@@ -79,7 +79,7 @@ def test_experts_are_split_by_intermediate_rows_and_router_replicated(base_model
 
 def test_llm_serves_mixtral_at_tp2_like_tp1(mixtral_dirs: dict[str, Path]) -> None:
     """The engine path (``backends/cpu/engine.py``): ``LLM(..., tensor_parallel_degree=2)`` on Mixtral."""
-    from neuron_lmi.engine.llm import LLM
+    from neuron_lmi.backends.cpu.llm import LLM
     from neuron_lmi.engine.types import SamplingParams
 
     prompts = [[5, 6, 7, 8], list(range(100, 117))]

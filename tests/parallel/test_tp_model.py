@@ -164,7 +164,7 @@ def test_shard_over_batch_needs_the_planned_rows(base_models) -> None:
 def test_llm_with_tensor_parallel_degree_matches_tp1(tiny_llama_dir: Path) -> None:
     """The engine path (``backends/cpu/engine.py``): ``LLM(..., tensor_parallel_degree=2)`` gives tp=1's
     tokens."""
-    from neuron_lmi.engine.llm import LLM
+    from neuron_lmi.backends.cpu.llm import LLM
     from neuron_lmi.engine.types import SamplingParams
 
     prompts = [[5, 6, 7, 8], list(range(100, 117))]

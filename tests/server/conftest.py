@@ -153,11 +153,10 @@ def tool_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 @pytest.fixture(scope="session")
 def direct_engine(tiny_llama_dir: Path):
     """The same model in-process, for greedy parity with the server (same options as ``tiny_server``)."""
-    from neuron_lmi.backends.cpu.engine import CpuEngineOptions
-    from neuron_lmi.engine.async_engine import AsyncEngine
+    from neuron_lmi.backends.cpu.engine import CpuEngineOptions, cpu_thread_engine
 
     options = CpuEngineOptions(model=str(tiny_llama_dir), max_rolling_batch_size=2, n_positions=256)
-    return AsyncEngine.from_options(options)
+    return cpu_thread_engine(options)
 
 
 def direct_greedy(engine, prompt: str | list[int], max_new_tokens: int) -> tuple[str, list[int]]:

@@ -24,10 +24,9 @@ def smol_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
 
 @pytest.fixture(scope="module")
 def smol_engine():
-    from neuron_lmi.backends.cpu.engine import CpuEngineOptions
-    from neuron_lmi.engine.async_engine import AsyncEngine
+    from neuron_lmi.backends.cpu.engine import CpuEngineOptions, cpu_thread_engine
 
-    return AsyncEngine.from_options(
+    return cpu_thread_engine(
         CpuEngineOptions(model="smollm2", max_rolling_batch_size=1, n_positions=512)
     )
 

@@ -12,12 +12,11 @@ from neuron_lmi.backends.common import fetch, model_name
 def build_cpu_engine(request: registry.BuildRequest) -> Any:
     """The model is fetched first (built-in, local, s3://, Hub); the engine process then builds the
     core from the configuration's CPU view (``engine.CpuEngineOptions.from_resolved``)."""
-    from neuron_lmi.backends.cpu.engine import CpuEngineOptions
-    from neuron_lmi.engine.process_engine import ProcessEngine
+    from neuron_lmi.backends.cpu import engine as cpu
 
     path = fetch(request.resolved, request.env)
-    options = CpuEngineOptions.from_resolved(request.resolved, path, request.tp_degree)
-    engine = ProcessEngine.from_options(options)
+    options = cpu.CpuEngineOptions.from_resolved(request.resolved, path, request.tp_degree)
+    engine = cpu.cpu_process_engine(options)
     engine.model_name = model_name(request.resolved)
     engine.dtype = options.dtype  # what /info reports as model_dtype
     return engine

@@ -1,5 +1,7 @@
 """The CPU engine's options and its assembly: an ``EngineCore`` on the CPU runner from a model name,
-directory or GGUF file.
+directory or GGUF file, and the engine fronts around it (``cpu_process_engine``, ``cpu_thread_engine``;
+the Python API is ``backends.cpu.llm.LLM``). The fronts live in ``engine`` and know no backend: this
+module builds them, so ``engine`` never imports a backend.
 
 ``CpuEngineOptions`` is what the engine is built from. ``serve`` makes it from the resolved
 configuration (``CpuEngineOptions.from_resolved``); the Python API (``LLM``) and the tests build it
@@ -10,6 +12,7 @@ the configuration only where the library should: fp32 unless told, and eager unl
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -34,6 +37,8 @@ if TYPE_CHECKING:
     from neuron_lmi.backends.cpu.compiled_decode import OpenedPackage
     from neuron_lmi.backends.cpu.runner import CpuRunner
     from neuron_lmi.config import ResolvedConfig
+    from neuron_lmi.engine.async_engine import AsyncEngine
+    from neuron_lmi.engine.process_engine import ProcessEngine
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +194,28 @@ def build_cpu_engine_core(
         runner, tokenizer, eos_ids_for(ckpt.config, tokenizer), options.max_prefill_tokens, policy
     )
     return core, ckpt.config
+
+
+def cpu_engine_core(options: CpuEngineOptions, policy: JoinPolicy | None = None) -> EngineCore:
+    """The CPU engine's ``EngineCore`` alone: ``ProcessEngine``'s factory (picklable with its
+    arguments, through ``functools.partial``), run in the engine process."""
+    return build_cpu_engine_core(options, policy)[0]
+
+
+def cpu_process_engine(options: CpuEngineOptions, policy: JoinPolicy | None = None) -> ProcessEngine:
+    """The CPU engine in its own process (what ``serve`` runs), built there from its options whole."""
+    from neuron_lmi.engine.process_engine import ProcessEngine
+
+    factory = functools.partial(cpu_engine_core, options, policy)
+    return ProcessEngine(factory, model_name=options.model, max_queue_size=options.max_queue_size)
+
+
+def cpu_thread_engine(options: CpuEngineOptions, policy: JoinPolicy | None = None) -> AsyncEngine:
+    """The CPU engine on a thread of this process, behind the same ``Engine`` protocol."""
+    from neuron_lmi.engine.async_engine import AsyncEngine
+
+    core, _config = build_cpu_engine_core(options, policy)
+    return AsyncEngine(core, model_name=options.model, max_queue_size=options.max_queue_size)
 
 
 def max_positions(config: Any) -> int | None:

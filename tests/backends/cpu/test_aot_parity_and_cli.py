@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from neuron_lmi.backends.cpu import compiled_decode
+from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.cli import main
-from neuron_lmi.engine.llm import LLM
 from neuron_lmi.engine.types import SamplingParams
 from tests.backends.cpu.conftest import CompiledStore
 

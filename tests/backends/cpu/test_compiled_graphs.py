@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from neuron_lmi.backends.cpu import compiled_decode, compiled_extend, graphs
+from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.backends.cpu.runner import CpuRunner
-from neuron_lmi.engine.llm import LLM
 from neuron_lmi.engine.types import SamplingParams
 from neuron_lmi.models import packed_linear
 from tests.backends.cpu.conftest import load_tiny

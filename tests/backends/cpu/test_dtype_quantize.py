@@ -62,9 +62,9 @@ def test_unsupported_quantize_is_rejected(options: dict[str, Any], match: str) -
 
 def _cpu_builder_kwargs(monkeypatch: pytest.MonkeyPatch, model: Path, **cli: str) -> dict[str, Any]:
     from neuron_lmi.backends import registry
+    from neuron_lmi.backends.cpu import engine as cpu_engine
     from neuron_lmi.backends.cpu.build import build_cpu_engine
     from neuron_lmi.config import load_config
-    from neuron_lmi.engine.process_engine import ProcessEngine
 
     seen: dict[str, Any] = {}
 
@@ -72,7 +72,7 @@ def _cpu_builder_kwargs(monkeypatch: pytest.MonkeyPatch, model: Path, **cli: str
         seen.update(dataclasses.asdict(options))
         return argparse.Namespace()
 
-    monkeypatch.setattr(ProcessEngine, "from_options", staticmethod(record))
+    monkeypatch.setattr(cpu_engine, "cpu_process_engine", record)
     resolved = load_config({"model_id": str(model), **cli}, None, env={})
     engine = build_cpu_engine(registry.BuildRequest(resolved, {}, "cpu", 1))
     seen["reported_dtype"] = engine.dtype

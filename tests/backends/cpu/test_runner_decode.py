@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.backends.cpu.runner import CpuRunner
-from neuron_lmi.engine.llm import LLM
 
 
 @pytest.fixture(scope="module")

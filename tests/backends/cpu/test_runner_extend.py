@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from neuron_lmi.backends.cpu.buckets import chunk_buckets
+from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.backends.cpu.runner import CpuRunner
-from neuron_lmi.engine.llm import LLM
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
+from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.config.options import DEFAULT_MODEL
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.detokenizer import TextSink, TokenTexts, text_decoder, text_stream
@@ -33,8 +34,6 @@ class LLM:
     def __init__(
         self, model: str = DEFAULT_MODEL, policy: JoinPolicy | None = None, **options: object
     ) -> None:
-        from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
-
         self.options = CpuEngineOptions(model=model, **options)  # type: ignore[arg-type]
         self.core, self.config = build_cpu_engine_core(self.options, policy)
 
