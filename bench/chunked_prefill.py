@@ -7,7 +7,11 @@ step stays short. Both runs use the same runner and arrivals. Printed per policy
 inter-token latency p50/p99 over the window from the burst until its last first token (plus
 ``--after-steps``), the p99/p50 ratio (issue 12's target: <= 3 at 64 streams) and the burst's TTFT.
 
-    python -m bench.chunked_prefill [--model tiny|smollm2] [--streams 64] [--burst 8]
+    python -m bench.chunked_prefill [--model tiny|smollm2] [--streams 64] [--burst 8] [--compile-graphs]
+
+``--compile-graphs`` runs the compiled step graph, as ``serve`` does (eager otherwise), and
+``--step-tokens`` (default: the engine's ``DEFAULT_STEP_TOKENS``) may list several budgets, each
+measured as its own chunked policy.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from bench.prefix_reuse import tiny_model_dir
 from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.bench.report import percentile
 from neuron_lmi.engine.core import EngineCore
-from neuron_lmi.engine.scheduler import ChunkedPrefill, WholePrompts
+from neuron_lmi.engine.scheduler import DEFAULT_STEP_TOKENS, ChunkedPrefill, WholePrompts
 from neuron_lmi.engine.types import SamplingParams, TokenEvent
 
 
@@ -86,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream-prompt", type=int, default=60)
     ap.add_argument("--burst", type=int, default=8)
     ap.add_argument("--burst-tokens", type=int, default=1000)
-    ap.add_argument("--step-tokens", type=int, default=256)
+    ap.add_argument("--step-tokens", default=str(DEFAULT_STEP_TOKENS), help="one budget or several: 256,512")
+    ap.add_argument("--compile-graphs", action="store_true", help="the compiled step graph, as served")
     ap.add_argument("--warm-steps", type=int, default=10)
     ap.add_argument("--after-steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
@@ -100,12 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         num_threads=args.threads,
         max_rolling_batch_size=args.streams + args.burst,
         n_positions=2048,
+        compile_graphs=args.compile_graphs,
     )
     base, _ = build_cpu_engine_core(options)
-    policies = {
-        "whole prompts": WholePrompts(max_tokens=4096),  # the engine before chunks
-        f"chunked ({args.step_tokens}/step)": ChunkedPrefill(args.step_tokens),
-    }
+    policies = {"whole prompts": WholePrompts(max_tokens=4096)}  # the engine before chunks
+    for step_tokens in (int(n) for n in args.step_tokens.split(",")):
+        policies[f"chunked ({step_tokens}/step)"] = ChunkedPrefill(step_tokens)
     out = {}
     for name, policy in policies.items():
         core = EngineCore(base.runner, base.tokenizer, base.eos_token_ids, prefill=policy, prefix_reuse=False)

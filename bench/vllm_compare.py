@@ -88,6 +88,20 @@ LOADS = {
         "batch": 32,
         "n_positions": 2048,
     },
+    # --load mixed: 16 streams decoding 256 tokens each; a second after they start, 16 prompts of
+    # 1,000 tokens arrive at once (50 new tokens each). The figures are the decoding streams': their
+    # inter-token latency p99 against p50 is what chunked prefill protects.
+    "mixed": {
+        "servers": "ours-cpu,vllm",
+        "concurrency": 16,
+        "requests": 16,
+        "prompt_tokens": 60,
+        "output_tokens": 256,
+        "batch": 32,
+        "n_positions": 2048,
+        "arrivals": 16,
+        "arrival_prompt_tokens": 1000,
+    },
     "long-context": {
         "servers": "ours-cpu,vllm",
         "concurrency": 4,
@@ -243,10 +257,47 @@ def load_seed(args: argparse.Namespace, round_no: int, level: int) -> int:
     return args.seed + 100 * level + round_no
 
 
+ARRIVAL_DELAY_S = 1.0  # --arrivals: the long prompts come this long after the streams start
+ARRIVAL_OUTPUT_TOKENS = 50
+
+
 def bench_once(
     url: str, args: argparse.Namespace, out: Path, requests: int, concurrency: int, seed: int
 ) -> dict:
-    cmd = [
+    """One measurement of ``requests`` at ``concurrency``; with ``--arrivals``, that many long prompts
+    arrive while it runs (measured apart, into ``out``'s ``-arrivals`` file)."""
+    cmd = load_command(url, args, out, requests, concurrency, args.prompt_tokens, args.output_tokens, seed)
+    if not args.arrivals:
+        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())["levels"][0]
+    arrivals_out = out.with_name(out.stem + "-arrivals.json")
+    arrivals = load_command(
+        url, args, arrivals_out, args.arrivals, args.arrivals, args.arrival_prompt_tokens,
+        ARRIVAL_OUTPUT_TOKENS, seed + 50,
+    )  # fmt: skip
+    streams = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
+    time.sleep(ARRIVAL_DELAY_S)
+    subprocess.run(arrivals, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    if streams.wait() != 0:
+        raise subprocess.CalledProcessError(streams.returncode, cmd)
+    result = json.loads(out.read_text())["levels"][0]
+    arrived = json.loads(arrivals_out.read_text())["levels"][0]
+    result["arrivals_ttft_p50_ms"] = arrived["ttft_p50_ms"]
+    result["arrivals_prompt_tokens_per_s"] = arrived.get("prompt_tokens_per_s", 0.0)
+    return result
+
+
+def load_command(
+    url: str,
+    args: argparse.Namespace,
+    out: Path,
+    requests: int,
+    concurrency: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    seed: int,
+) -> list[str]:
+    return [
         args.cpu_python if Path(args.cpu_python).exists() else sys.executable,
         "-m",
         "neuron_lmi.cli",
@@ -262,9 +313,9 @@ def bench_once(
         "--requests",
         str(requests),
         "--prompt-tokens",
-        str(args.prompt_tokens),
+        str(prompt_tokens),
         "--output-tokens",
-        str(args.output_tokens),
+        str(output_tokens),
         "--stream",
         "--ignore-eos",
         "--seed",
@@ -273,8 +324,6 @@ def bench_once(
         "--out",
         str(out),
     ]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())["levels"][0]
 
 
 def build_tiny_model(python: str, out: Path) -> Path:
@@ -363,7 +412,12 @@ def measure(names: list[str], servers: dict, args: argparse.Namespace, work: Pat
                     f"TTFT p50/p90 {result['ttft_p50_ms']:.0f}/{result['ttft_p90_ms']:.0f} ms, "
                     f"ITL p50/p99 {result['itl_p50_ms']:.0f}/"
                     f"{result['itl_p99_ms']:.0f} ms, errors {result['errors']}"
-                    + (f", host {host:.1f} ms per full-batch step" if host is not None else ""),
+                    + (f", host {host:.1f} ms per full-batch step" if host is not None else "")
+                    + (
+                        f"; arrivals TTFT p50 {result['arrivals_ttft_p50_ms']:.0f} ms"
+                        if "arrivals_ttft_p50_ms" in result
+                        else ""
+                    ),
                     file=sys.stderr,
                     flush=True,
                 )
@@ -402,6 +456,10 @@ def summarize(results: dict[str, list[dict]]) -> dict:
                 "e2e_p50_ms",
             )
         }
+        if all("arrivals_ttft_p50_ms" in r for r in results[name]):
+            for key in ("arrivals_ttft_p50_ms", "arrivals_prompt_tokens_per_s"):
+                out[name][key] = mean(name, key)
+            out[name]["itl_p99_over_p50"] = out[name]["itl_p99_ms"] / out[name]["itl_p50_ms"]
         out[name]["errors"] = sum(r["errors"] for r in results[name])
         out[name]["startup_s"] = results[name][0].get("startup_s")  # start to ready, cold or cached
         out[name]["rounds_tokens_per_s"] = [round(r["output_tokens_per_s"], 1) for r in results[name]]
@@ -447,11 +505,15 @@ def main() -> int:
     parser.add_argument("--quantize", choices=("int8", "int4"), help="ours-cpu's option.quantize")
     parser.add_argument("--llama-server", default=shutil.which("llama-server"), help="llama.cpp's server")
     parser.add_argument("--out", type=Path, help="write every run and the summary as JSON")
+    parser.add_argument("--arrivals", type=int, help="long prompts that arrive during each measurement")
+    parser.add_argument("--arrival-prompt-tokens", type=int, help="their length")
     args = parser.parse_args()
     defaults = TINY_DEFAULTS if args.tiny else LOADS[args.load] if args.load else DEFAULTS
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.arrivals = args.arrivals or 0
+    args.arrival_prompt_tokens = args.arrival_prompt_tokens or 1000
     if not Path(args.cpu_python).exists():
         args.cpu_python = sys.executable
     levels = [int(c) for c in str(args.concurrency).split(",")]
