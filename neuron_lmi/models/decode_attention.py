@@ -16,8 +16,11 @@ Inputs: ``q`` ``[n, H, 1, D]`` (rotary applied: one query per token), ``k``/``v`
 int64 ``[n]`` (query i's position, ``< L``), ``scale``, ``window`` (the sliding window, 0 for none).
 Queries may share a row: the tokens of a prompt chunk, written into the cache before the call, each
 attend up to their own position, which is causal attention over the chunk (``graphs.step_rows``).
-Output ``[n, H, 1, D]`` in ``q``'s dtype. The sums run in another order than SDPA's: results differ
-in the last bits (greedy ids: ``tests/backends/cpu``).
+With AVX-512 (and AVX512-BF16 for bf16), a run of such tokens at consecutive positions is taken as a
+block: each block of keys is read once for all its tokens' query heads and the softmax is taken
+online, flash-style, so a long chunk costs about what SDPA's matrix products would, not a read of
+its row per token (docs/benchmarks.md). Output ``[n, H, 1, D]`` in ``q``'s dtype. The sums run in
+another order than SDPA's: results differ in the last bits (greedy ids: ``tests/backends/cpu``).
 """
 
 from __future__ import annotations
