@@ -76,10 +76,10 @@ def runner_paths(dtype: str, reps: int) -> None:
     from neuron_lmi.backends.cpu import compiled_decode
     from neuron_lmi.backends.cpu.llm import LLM
 
-    limit = compiled_decode.chunk_pair_limit
     compiled_decode.extend_graph_needed = lambda *_: True  # open the extend package too
     llm = LLM(model="smollm2", dtype=dtype, compile_graphs=True, max_rolling_batch_size=32, n_positions=2048)
     runner, rows = llm.core.runner, llm.core.runner.rows
+    step = runner.compiled_decode
     generator = torch.Generator().manual_seed(0)
     cases = [[(n, start)] for start, n in CASES] + [[(256, 0)] * 4, [(512, 0)] * 2]
     for case in cases:
@@ -96,9 +96,8 @@ def runner_paths(dtype: str, reps: int) -> None:
         tokens = sum(n for n, _ in case)
         by_path = {}
         for path, pair_limit in (("extend graph", compiled_decode.CHUNK_PAIR_LIMIT), ("step graph", None)):
-            compiled_decode.chunk_pair_limit = lambda pair_limit=pair_limit: pair_limit
+            step.pair_limit = pair_limit
             by_path[path] = timed(extend, reps)
-        compiled_decode.chunk_pair_limit = limit
         label = " + ".join(f"{n} after {start}" for n, start in case)
         print(
             f"{label:32}: "

@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from neuron_lmi.config.options import DEFAULT_MAX_QUEUE_SIZE
 from neuron_lmi.engine.admission import Capacity, check_accepting
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.detokenizer import TextSink, TokenTexts, text_stream
@@ -51,7 +52,9 @@ class AsyncEngine:
 
     backend_name = "cpu"
 
-    def __init__(self, core: EngineCore, model_name: str, max_queue_size: int = 256) -> None:
+    def __init__(
+        self, core: EngineCore, model_name: str, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE
+    ) -> None:
         self.core = core
         self._texts = TokenTexts(core.tokenizer)  # each token id's text, decoded once
         self.model_name = model_name

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from neuron_lmi.config.options import DEFAULT_MAX_PREFILL_TOKENS
 from neuron_lmi.engine.admission import Admission, AdmissionLimits
 from neuron_lmi.engine.grammar import GrammarCompiler
 from neuron_lmi.engine.prefix import PrefixIndex
@@ -61,7 +62,7 @@ class EngineCore:
         runner: ModelRunner,
         tokenizer: Any,
         eos_token_ids: Sequence[int],
-        max_prefill_tokens: int = 4096,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         policy: JoinPolicy | None = None,
         prefill: PrefillPolicy | None = None,
         prefix_reuse: bool = True,

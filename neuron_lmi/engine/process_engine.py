@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from neuron_lmi.config.options import DEFAULT_MAX_QUEUE_SIZE
 from neuron_lmi.engine import engine_process as wire
 from neuron_lmi.engine.admission import Admission, AdmissionLimits, Capacity, check_accepting
 from neuron_lmi.engine.detokenizer import TextStream, TokenTexts, text_decoder, text_stream
@@ -71,7 +72,9 @@ class ProcessEngine:
 
     backend_name = "cpu"
 
-    def __init__(self, factory: wire.CoreFactory, model_name: str, max_queue_size: int = 256) -> None:
+    def __init__(
+        self, factory: wire.CoreFactory, model_name: str, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE
+    ) -> None:
         self.model_name = model_name
         self.max_queue_size = max_queue_size
         self._send_lock = threading.Lock()

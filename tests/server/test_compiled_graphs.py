@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from neuron_lmi.backends.cpu import compiled_decode
 from tests.server.conftest import ServerProcess, direct_greedy, start_server
 
 pytestmark = pytest.mark.slow
@@ -35,10 +34,5 @@ def test_serve_defaults_to_the_compiled_graphs(
     finally:
         assert server.stop() == 0
     log = server.log.read_text()
-    assert "compiled step: key=" in log, log[-3000:]
-    assert list((tmp_path / "cache").rglob("step.pt2"))
-    # The extend graph only where the step graph leaves it prompt chunks (Inductor's attention).
-    extend_needed = compiled_decode.chunk_pair_limit() is not None
-    assert ("compiled extend: key=" in log) == extend_needed
-    assert ("compiled extend not needed" in log) != extend_needed
-    assert bool(list((tmp_path / "cache").rglob("extend.pt2"))) == extend_needed
+    assert "compiled step: key=" in log and "compiled extend: key=" in log, log[-3000:]
+    assert list((tmp_path / "cache").rglob("step.pt2")) and list((tmp_path / "cache").rglob("extend.pt2"))

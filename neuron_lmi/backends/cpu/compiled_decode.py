@@ -49,8 +49,10 @@ from compile_cache.key import CacheKeyInputs, fingerprint_weights
 from compile_cache.store import Entry
 from neuron_lmi.backends.cpu.aot import DTYPE_NAMES, architecture_description, cpu_capability, load_package
 from neuron_lmi.backends.cpu.graphs import StepGraph, check_compilable, decode_attention_form
+from neuron_lmi.engine.scheduler import DEFAULT_STEP_TOKENS
 from neuron_lmi.models import packed_linear
 from neuron_lmi.models.llama import LlamaForCausalLM
+from neuron_lmi.models.native import cpuinfo_field
 from neuron_lmi.models.quant import (
     Int4Linear,
     Int8Linear,
@@ -71,30 +73,41 @@ DECODE_INDUCTOR_CONFIGS = MappingProxyType({"freezing": True, "aot_inductor.pack
 BF16_DECODE_CONFIGS = MappingProxyType({"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"})
 # Per graph: bump when StepGraph / ExtendGraph or their inputs change what a package
 # computes or expects (the version is part of the key, so old entries stop matching).
-GRAPH_VERSIONS = MappingProxyType({"step": 1, "extend": 1})
+GRAPH_VERSIONS = MappingProxyType({"step": 2, "extend": 1})  # step 2: tokens up to step_token_cap
 # One token is exported (the example has more: torch.export specialises a dimension whose example is
 # 1); the attention length starts at 2 (length 1 is never decoded, only padded).
 MIN_TOKENS, MIN_ATTN_LEN = 1, 2
-# With the Inductor form of the attention, prompt chunks go through the step graph while their
-# tokens attend to at most this many (query, key) positions in all: that form reads a row's K/V
-# again for each of its chunk's tokens, where SDPA in the extend graph multiplies blocks. Four
-# 60-token prompts are about 7,300. The op's form has no limit: it reads each block of keys once
-# for a block of a chunk's queries, faster than SDPA at every chunk length (docs/measurements.md).
+# Where the op has no chunk path, prompt chunks go through the step graph while their tokens attend
+# to at most this many (query, key) positions in all: the per-query kernels read a row's K/V again
+# for each of its chunk's tokens, where SDPA in the extend graph multiplies blocks. Four 60-token
+# prompts are about 7,300. The op's chunk path has no limit: it reads each block of keys once for a
+# block of a chunk's queries, faster than SDPA at every chunk length (docs/measurements.md).
 CHUNK_PAIR_LIMIT = 32_768
+CHUNK_PATH_HEAD_DIMS = (64, 128)  # decode_attention.cpp's chunk path; other dims run per query
 
 
-def chunk_pair_limit() -> int | None:
-    """The (query, key) pairs a step's prompt chunks may hold in the step graph: None (any) with the
-    op's attention, ``CHUNK_PAIR_LIMIT`` with Inductor's."""
-    return None if decode_attention_form() == "op" else CHUNK_PAIR_LIMIT
+def chunk_pair_limit(model: LlamaForCausalLM) -> int | None:
+    """The (query, key) pairs a step's prompt chunks may hold in ``model``'s step graph: None (any)
+    where the op's chunk path runs (the op's form, an AVX-512 host, head dim 64 or 128, fp32, or bf16
+    on a host with AVX512-BF16), else ``CHUNK_PAIR_LIMIT``."""
+    avx512 = str(torch.backends.cpu.get_cpu_capability()).startswith("AVX512")
+    bf16_dot = "avx512_bf16" in cpuinfo_field("flags").split()
+    chunk_path = (
+        decode_attention_form() == "op"
+        and avx512
+        and model.args.head_dim in CHUNK_PATH_HEAD_DIMS
+        and (model.dtype == torch.float32 or (model.dtype == torch.bfloat16 and bf16_dot))
+    )
+    return None if chunk_path else CHUNK_PAIR_LIMIT
 
 
 def extend_graph_needed(model: LlamaForCausalLM, n_rows: int, n_positions: int) -> bool:
     """Whether prompt chunks need the extend graph beside the step graph: where the step graph
-    limits them (Inductor's attention: ``chunk_pair_limit``; quantized weights: ``token_limit``).
+    limits them (no chunk path in the op: ``chunk_pair_limit``; quantized weights: ``token_limit``).
     Elsewhere the step graph runs every chunk a step can hold, and not compiling the extend graph
     saves most of a first start's compile."""
-    return chunk_pair_limit() is not None or token_limit(model, n_rows, n_positions) < n_rows + n_positions
+    limited = chunk_pair_limit(model) is not None
+    return limited or token_limit(model, n_rows, n_positions) < step_token_cap(n_rows, n_positions)
 
 
 def inductor_configs(dtype: torch.dtype, graph: str, quantized: bool = False) -> dict[str, object]:
@@ -151,13 +164,18 @@ def is_quantized(model: LlamaForCausalLM) -> bool:
     return any(isinstance(w, QuantizedLinear) for w in matmul_weights(model))
 
 
+def step_token_cap(n_rows: int, n_positions: int) -> int:
+    """The most tokens an engine step holds: a decode of every row plus a step's worth of prompt
+    tokens (no more than the scheduler's ``DEFAULT_STEP_TOKENS``, nor than the cache holds)."""
+    return n_rows + max(n_positions, DEFAULT_STEP_TOKENS)
+
+
 def token_limit(model: LlamaForCausalLM, n_rows: int, n_positions: int) -> int:
-    """The most tokens one step of the package takes: a decode of every row plus a step's worth of
-    prompt tokens (``n_positions``). A quantized graph runs torch's packed kernels, whose time grows
-    with every token; from ``gemm_min_rows`` tokens on the eager step (one dequantized GEMM per
-    weight) is cheaper, so those steps are left to it."""
+    """The most tokens one step of the package takes: ``step_token_cap``. A quantized graph runs
+    torch's packed kernels, whose time grows with every token; from ``gemm_min_rows`` tokens on the
+    eager step (one dequantized GEMM per weight) is cheaper, so those steps are left to it."""
     limits = [w.gemm_min_rows - 1 for w in matmul_weights(model) if isinstance(w, QuantizedLinear)]
-    return min([n_rows + n_positions, *limits])
+    return min([step_token_cap(n_rows, n_positions), *limits])
 
 
 def decode_unsupported(model: LlamaForCausalLM, n_rows: int, n_positions: int) -> str | None:
@@ -290,15 +308,16 @@ class CompiledDecode(FrozenPackage):
     package_file = PACKAGE_FILE
     compile_package = staticmethod(compile_decode_package)
     size_limit = staticmethod(token_limit)
+    pair_limit: int | None = CHUNK_PAIR_LIMIT  # the model's ``chunk_pair_limit``, set when opened
 
     def covers_chunks(self, starts: Sequence[int], lengths: Sequence[int]) -> bool:
         """Chunks of ``lengths`` tokens after ``starts`` cached positions (a decode is a chunk of
         one): within the token limit, the attention length under ``n_positions``, and the chunks'
-        (query, key) pairs within ``chunk_pair_limit``."""
+        (query, key) pairs within ``pair_limit`` (the model's ``chunk_pair_limit``)."""
         spans = list(zip(starts, lengths, strict=True))
         if sum(lengths) > self.limit or max(s + n for s, n in spans) >= self.n_positions:
             return False
-        limit = chunk_pair_limit()
+        limit = self.pair_limit
         return limit is None or sum(n * s + n * (n + 1) // 2 for s, n in spans if n > 1) <= limit
 
     def __call__(
@@ -362,6 +381,8 @@ def open_frozen_entry(
 
     entry = cache.get_or_compile(inputs, compile_fn, no_compile=no_compile)
     package = kind(entry.path / kind.package_file, kind.size_limit(model, n_rows, n_positions), n_positions)
+    if isinstance(package, CompiledDecode):
+        package.pair_limit = chunk_pair_limit(model)
     log.info(
         "compiled %s: key=%s %s in %.1fs (%s)",
         kind.graph,

@@ -120,6 +120,7 @@ class CpuEngineOptions:
             max_prefill_tokens=cfg.batching.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS,
             max_queue_size=cfg.batching.max_queue_size,
             tensor_parallel_degree=tp_degree,
+            group_query_attention=cfg.parallel.group_query_attention,
             compiled_graph_path=cfg.neuron.compiled_graph_path,
             context_length_estimate=cfg.batching.context_length_estimate,
             quantize=cfg.neuron.quantize,

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from neuron_lmi.backends.cpu import compiled_decode
 from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.cli import main
 from neuron_lmi.engine.types import SamplingParams
@@ -72,10 +71,9 @@ def test_compile_command_hits_and_reports(
 def test_compile_command_builds_the_graphs_serve_loads(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """By default ``compile --target cpu`` builds the frozen step package, and the extend package
-    where the step graph leaves it prompt chunks, that the CPU engine opens when it serves with the
-    same settings; the engine then starts without compiling (``no_compile``), and a second compile
-    is a hit for each."""
+    """By default ``compile --target cpu`` builds the frozen decode and extend packages that the CPU
+    engine opens when it serves with the same settings; the engine then starts without compiling
+    (``no_compile``), and a second compile is a hit for both."""
     argv = [
         "compile",
         "--model",
@@ -92,17 +90,16 @@ def test_compile_command_builds_the_graphs_serve_loads(
     ]
     assert main(argv) == 0
     first = json.loads(capsys.readouterr().out)
-    graphs = ["step"] + (["extend"] if compiled_decode.chunk_pair_limit() is not None else [])
-    assert [p["graph"] for p in first["packages"]] == graphs
+    assert [p["graph"] for p in first["packages"]] == ["step", "extend"]
     assert first["compiled"] is True and all(p["compiled"] for p in first["packages"])
-    assert first["key"] == first["packages"][0]["key"] and first["graphs"] == len(graphs)
+    assert first["key"] == first["packages"][0]["key"] and first["graphs"] == 2
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
     served = LLM(
         str(tiny_llama_dir), max_rolling_batch_size=4, n_positions=128, dtype="fp32",
         compile_graphs=True, no_compile=True,
     )  # fmt: skip
     runner = served.core.runner
-    assert runner.compiled_decode is not None and (runner.compiled_extend is not None) == (len(graphs) == 2)
+    assert runner.compiled_decode is not None and runner.compiled_extend is not None
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     assert len(served.generate([[300, 301, 302]], params)[0].token_ids) == 4
     assert runner.compiled_decode.steps > 0

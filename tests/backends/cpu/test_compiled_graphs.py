@@ -34,7 +34,7 @@ def on_library(model: str, library: str, pair_limit: int | None = None) -> objec
 @pytest.mark.parametrize(
     ("model", "library", "attention", "pair_limit"),
     [
-        on_library("tiny_llama_dir", "mkl"),
+        on_library("tiny_llama_dir", "mkl", pair_limit=100),
         on_library("tiny_llama_dir", "onednn"),
         ("tiny_mistral_dir", None, None, None),
         ("tiny_mistral_dir", None, "inductor", 100),  # the form CPUs without AVX-512 get
@@ -53,10 +53,9 @@ def test_compiled_graphs_equal_eager_token_for_token(
     decodes of rows anywhere in the cache; Mistral's 16-token sliding window is crossed; one row
     fills all 128 positions, so its last step (attention over the whole cache) runs eagerly.
     Prompts sharing a 16-token prefix with a running or retained row extend after a copied prefix.
-    Where the step graph covers a step it runs it whole: no step calls the runner twice. With the
-    op's attention there is no extend graph (the step graph takes every chunk); with Inductor's and
-    a low ``CHUNK_PAIR_LIMIT`` the longer chunks go to the extend graph and their step's decodes to
-    the step graph apart. The fp32 GEMMs run on MKL's and on oneDNN's packs (Mistral: the host's
+    Where the step graph covers a step it runs it whole: no step calls the runner twice. With a low
+    ``CHUNK_PAIR_LIMIT`` the longer chunks go to the extend graph and their step's decodes to the
+    step graph apart. The fp32 GEMMs run on MKL's and on oneDNN's packs (Mistral: the host's
     library); the decode attention is the host's form, and for Mistral the Inductor form too."""
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
     if library is not None:
@@ -70,8 +69,7 @@ def test_compiled_graphs_equal_eager_token_for_token(
     runner = compiled.core.runner
     package, extend = runner.compiled_decode, runner.compiled_extend
     assert eager.core.runner.compiled_decode is None and eager.core.runner.compiled_extend is None
-    assert package is not None
-    assert (extend is None) == (compiled_decode.chunk_pair_limit() is None)
+    assert package is not None and extend is not None
     forwards_per_step = _count_forwards(compiled)
     ids = list(range(300, 420))
     prompts = [ids[:3], ids[:40], ids[:100], ids[5:6], ids[10:30], ids[:64]]
@@ -84,12 +82,10 @@ def test_compiled_graphs_equal_eager_token_for_token(
     assert package.steps > 30  # the decode steps ran in the package, not eagerly
     if packed_linear.host_library() is not None:  # fp32 GEMMs on packs of the package's own weights
         assert packed_linear.cached_packs() >= len(compiled_decode.matmul_weights(runner.model))
-    # The first step's 144 prompt tokens pass the step graph's limit (4 rows + 128): the extend
-    # graph, in a call per chunk bucket, or the eager model where there is none. After it, every
-    # step is one call (none: the eager last position), unless a low pair limit sends long chunks to
-    # the extend graph beside the decodes.
-    assert extend is None or extend.steps >= (3 if pair_limit else 1)
-    assert forwards_per_step.count(1) > 30
+    # The first step's 144 prompt tokens fit the step graph (4 rows + a 512-token step): every step
+    # is one call (none: the eager last position), unless a low pair limit sends long chunks to the
+    # extend graph beside the decodes.
+    assert extend.steps >= (3 if pair_limit else 0) and forwards_per_step.count(1) > 30
     assert (max(forwards_per_step[1:]) > 1) == bool(pair_limit)
     assert not package.covers_chunks([N_POSITIONS - 1], [1])  # the full-cache step: eager
     assert runner.rows.in_use() == []
@@ -101,25 +97,19 @@ def _count_forwards(llm: LLM) -> list[int]:
     counts: list[int] = []
     step = core.step
 
-    def calls() -> int:
-        extend = runner.compiled_extend
-        return runner.compiled_decode.steps + (0 if extend is None else extend.steps)
-
     def counted_step() -> object:
-        before = calls()
+        before = runner.compiled_decode.steps + runner.compiled_extend.steps
         events = step()
-        counts.append(calls() - before)
+        counts.append(runner.compiled_decode.steps + runner.compiled_extend.steps - before)
         return events
 
     core.step = counted_step  # type: ignore[method-assign]
     return counts
 
 
-def test_the_step_graph_takes_what_it_runs_well(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Any rows (no window), up to its token limit; with Inductor's attention, chunks while their
-    attention pairs stay within ``CHUNK_PAIR_LIMIT`` (past it SDPA in the extend graph does better),
-    with the op's any chunk; never the last position."""
-    monkeypatch.setenv(graphs.ATTENTION_ENV, "inductor")
+def test_the_step_graph_takes_what_it_runs_well() -> None:
+    """Any rows (no window), up to its token limit; chunks while their attention pairs stay within
+    ``CHUNK_PAIR_LIMIT`` (past it SDPA in the extend graph does better); never the last position."""
     step = compiled_decode.CompiledDecode.__new__(compiled_decode.CompiledDecode)
     step.limit, step.n_positions = 40, 128
     assert step.covers_chunks([10, 11, 12], [1, 1, 1]) and step.covers_chunks([126], [1])  # decodes
@@ -131,9 +121,6 @@ def test_the_step_graph_takes_what_it_runs_well(monkeypatch: pytest.MonkeyPatch)
     wide.limit, wide.n_positions = 1000, 2048
     assert wide.covers_chunks([0] * 4, [60] * 4)  # four 60-token prompts: 7,320 pairs
     assert not wide.covers_chunks([1000], [200])  # 220,100 pairs: the extend graph
-    monkeypatch.setenv(graphs.ATTENTION_ENV, "op")
-    assert wide.covers_chunks([1000], [200]) and wide.covers_chunks([0, 0], [500, 499])
-    assert not wide.covers_chunks([0, 0], [500, 501]) and not wide.covers_chunks([2000], [48])
 
 
 def test_second_start_loads_from_the_cache_without_compiling(
@@ -142,10 +129,9 @@ def test_second_start_loads_from_the_cache_without_compiling(
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
     first = _llm(tiny_llama_dir, compile_graphs=True)
     assert first.core.runner.compiled_decode is not None
-    # The extend graph only where the step graph leaves it prompt chunks.
-    needed = compiled_decode.extend_graph_needed(first.core.runner.model, N_ROWS, N_POSITIONS)
-    assert list(tmp_path.rglob(compiled_decode.PACKAGE_FILE))
-    assert bool(list(tmp_path.rglob(compiled_extend.PACKAGE_FILE))) == needed
+    assert list(tmp_path.rglob(compiled_decode.PACKAGE_FILE)) and list(
+        tmp_path.rglob(compiled_extend.PACKAGE_FILE)
+    )
 
     def fail(*_: object) -> None:
         raise AssertionError("compiled again on a cache hit")
@@ -153,8 +139,7 @@ def test_second_start_loads_from_the_cache_without_compiling(
     monkeypatch.setattr(compiled_decode.CompiledDecode, "compile_package", staticmethod(fail))
     monkeypatch.setattr(compiled_extend.CompiledExtend, "compile_package", staticmethod(fail))
     second = _llm(tiny_llama_dir, compile_graphs=True)
-    assert second.core.runner.compiled_decode is not None
-    assert (second.core.runner.compiled_extend is not None) == needed
+    assert second.core.runner.compiled_decode is not None and second.core.runner.compiled_extend is not None
     prompt, params = [list(range(50, 70))], [SamplingParams(max_new_tokens=6, temperature=0.0)]
     assert [c.token_ids for c in second.generate(prompt, params)] == [
         c.token_ids for c in first.generate(prompt, params)
@@ -182,7 +167,8 @@ def test_models_and_caches_without_a_decode_graph(
     # torch's int8 kernel runs row by row: from 40 tokens on the eager GEMM wins, so the step stops.
     assert (
         compiled_decode.token_limit(quantized, 64, 128) == 39
-        and compiled_decode.token_limit(dense, 64, 128) == 192
+        and compiled_decode.token_limit(dense, 64, 128) == 64 + 512  # every row + a step's prompt tokens
+        and compiled_decode.token_limit(dense, 64, 4096) == 64 + 4096
     )
     quantized_key = compiled_decode.decode_key_inputs(quantized, tiny_llama_dir, N_ROWS, N_POSITIONS)
     assert "weights=int8" in quantized_key.compiler_flags and "max_autotune=True" not in str(quantized_key)
@@ -220,10 +206,8 @@ def test_compiled_extend_writes_the_cache_and_logits_eager_does(
 ) -> None:
     """Row by row against ``LlamaForCausalLM.extend``: one row and one token (the smallest sizes
     the graph takes), and three rows of different lengths after different prefixes (padding
-    writes leave the slots after each chunk as they were). Compiled here even where the step graph
-    runs every chunk (``extend_graph_needed``)."""
+    writes leave the slots after each chunk as they were)."""
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(compiled_decode, "extend_graph_needed", lambda *_: True)
     runner = _llm(tiny_llama_dir, compile_graphs=True).core.runner
     extend = runner.compiled_extend
     assert extend is not None
@@ -277,7 +261,7 @@ def test_bf16_graphs_follow_the_eager_bf16_engine(
     eager = _llm(tiny_llama_dir, dtype="bf16").core.runner
     compiled = _llm(tiny_llama_dir, dtype="bf16", compile_graphs=True).core.runner
     decode, extend = compiled.compiled_decode, compiled.compiled_extend
-    assert decode is not None
+    assert decode is not None and extend is not None
     assert (
         "max_autotune=True"
         in compiled_decode.decode_key_inputs(
@@ -285,7 +269,7 @@ def test_bf16_graphs_follow_the_eager_bf16_engine(
         ).compiler_flags
     )
     want, got = _teacher_forced(eager), _teacher_forced(compiled)
-    assert decode.steps == 5 and (extend is None or extend.steps == 0)  # 49 prompt tokens: the step graph's
+    assert decode.steps == 5 and extend.steps == 0  # 49 prompt tokens: the step graph's too
     assert (got - want).abs().max() < 0.05 * want.abs().max()
 
 
@@ -322,3 +306,59 @@ def test_the_decode_attention_form_follows_the_cpu_unless_forced(monkeypatch: py
     monkeypatch.setenv(graphs.ATTENTION_ENV, "sdpa")
     with pytest.raises(ValueError, match="NEURON_LMI_DECODE_ATTENTION='sdpa': expected op or inductor"):
         graphs.decode_attention_form()
+
+
+def test_the_pair_limit_follows_the_ops_chunk_path(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No pair limit (and no extend graph) only where the op's chunk path runs: its form on an
+    AVX-512 host, head dim 64 or 128, fp32 or (with AVX512-BF16) bf16. The test models' head dim 16
+    keeps the limit; a step package takes any chunk without one."""
+    from neuron_lmi.models.native import cpuinfo_field
+    from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
+
+    monkeypatch.delenv(graphs.ATTENTION_ENV, raising=False)
+    avx512 = str(torch.backends.cpu.get_cpu_capability()).startswith("AVX512")
+    bf16_dot = "avx512_bf16" in cpuinfo_field("flags").split()
+    head16 = load_tiny(tiny_llama_dir)
+    head64_dir = make_tiny_checkpoint(tmp_path / "head64", "llama", hidden_size=128, num_attention_heads=2)
+    head64, head64_bf16 = load_tiny(head64_dir), load_tiny(head64_dir, torch.bfloat16)
+    limit = compiled_decode.CHUNK_PAIR_LIMIT
+    assert head16.args.head_dim == 16 and head64.args.head_dim == 64
+    assert compiled_decode.chunk_pair_limit(head16) == limit
+    assert compiled_decode.chunk_pair_limit(head64) == (None if avx512 else limit)
+    assert compiled_decode.chunk_pair_limit(head64_bf16) == (None if avx512 and bf16_dot else limit)
+    assert compiled_decode.extend_graph_needed(head64, N_ROWS, N_POSITIONS) == (not avx512)
+    monkeypatch.setenv(graphs.ATTENTION_ENV, "inductor")
+    assert compiled_decode.chunk_pair_limit(head64) == limit
+    step = compiled_decode.CompiledDecode.__new__(compiled_decode.CompiledDecode)
+    step.limit, step.n_positions, step.pair_limit = 1000, 2048, None
+    assert step.covers_chunks([1000], [200]) and step.covers_chunks([0, 0], [500, 499])
+    assert not step.covers_chunks([0, 0], [500, 501]) and not step.covers_chunks([2000], [48])
+
+
+def test_with_the_ops_chunk_path_the_step_graph_runs_every_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A head-dim-64 model on a host with the chunk path: no extend graph; prompts of 100 and 60
+    tokens (past the old pair limit together) and a prompt joining running decodes run in the step
+    graph, one call a step, with the eager engine's greedy tokens."""
+    from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
+
+    monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(graphs.ATTENTION_ENV, raising=False)
+    model_dir = make_tiny_checkpoint(tmp_path / "head64", "llama", hidden_size=128, num_attention_heads=2)
+    eager, compiled = _llm(model_dir), _llm(model_dir, compile_graphs=True)
+    runner = compiled.core.runner
+    if compiled_decode.chunk_pair_limit(runner.model) is not None:
+        pytest.skip("this host's op has no chunk path (AVX-512 needed)")
+    assert runner.compiled_decode is not None and runner.compiled_extend is None
+    ids = list(range(300, 420))
+    prompts = [ids[:100], ids[10:70], ids[:3], ids[50:90]]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (20, 30, 40, 12)]
+    want = [c.token_ids for c in eager.generate(prompts, params)]
+    before = runner.compiled_decode.steps
+    got = [c.token_ids for c in compiled.generate(prompts, params)]
+    assert got == want
+    assert runner.compiled_decode.steps - before == compiled.core.steps  # every step, one call
+    assert runner.rows.in_use() == []

@@ -23,6 +23,7 @@ def test_from_resolved_maps_the_configuration(tiny_llama_dir: Path) -> None:
         "quantize": "int8",
         "enforce_eager": "true",
         "dtype": "bf16",
+        "group_query_attention": "replicated-heads",
     }
     options = CpuEngineOptions.from_resolved(load_config(cli, None, env={}), "/fetched/model", tp_degree=2)
     assert options.model == "/fetched/model"
@@ -30,6 +31,7 @@ def test_from_resolved_maps_the_configuration(tiny_llama_dir: Path) -> None:
     assert (options.tensor_parallel_degree, options.quantize, options.dtype) == (2, "int8", "bf16")
     assert options.max_prefill_tokens == DEFAULT_MAX_PREFILL_TOKENS
     assert options.compile_graphs is False
+    assert options.group_query_attention == "replicated-heads"  # the CPU engine's sharding plan too
 
 
 def test_from_resolved_defaults_are_the_servers() -> None:
