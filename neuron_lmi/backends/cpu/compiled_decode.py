@@ -26,7 +26,7 @@ Frozen weights make the package depend on the weights' *values*: the cache key h
 fingerprint of the weight files, the model's architecture, dtype, quantization, rows, positions,
 the torch version and the CPU's instruction set. A compile takes minutes; the entry is stored in the
 compile cache, and later starts load it. Steps outside the package's range (the last position of a full-length
-row; more tokens than ``token_limit``; with Inductor's attention, chunks whose attention
+row; more tokens than ``token_limit``; where the op has no chunk path, chunks whose attention
 ``CHUNK_PAIR_LIMIT`` leaves to the extend graph's SDPA) run the other way.
 """
 
@@ -165,8 +165,8 @@ def is_quantized(model: LlamaForCausalLM) -> bool:
 
 
 def step_token_cap(n_rows: int, n_positions: int) -> int:
-    """The most tokens an engine step holds: a decode of every row plus a step's worth of prompt
-    tokens (no more than the scheduler's ``DEFAULT_STEP_TOKENS``, nor than the cache holds)."""
+    """The most tokens an engine step holds: a decode of every row plus its prompt tokens, which the
+    scheduler keeps within ``DEFAULT_STEP_TOKENS`` (``n_positions`` where larger: the limit before)."""
     return n_rows + max(n_positions, DEFAULT_STEP_TOKENS)
 
 
