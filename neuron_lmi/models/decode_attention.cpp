@@ -49,6 +49,13 @@ struct Item {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
+// A prompt chunk's work item (the AVX-512 chunk path below): sizes the driver splits chunks by.
+constexpr int kChunkKeys = 32;     // keys per block
+constexpr int kChunkLanes = 96;    // lanes per item (before rounding up to whole tokens)
+
+inline int64_t chunk_tokens_per_item(int64_t groups) { return std::max<int64_t>(1, kChunkLanes / groups); }
+inline int64_t chunk_tiles(int64_t groups) { return (chunk_tokens_per_item(groups) * groups + 15) / 16; }
+
 // Portable path: any head dim, any CPU. The ``omp simd`` loops let the compiler vectorise the sums
 // (a float reduction is not reordered otherwise) and the exponentials.
 template <typename T>
@@ -292,11 +299,6 @@ struct ChunkItem {
   int64_t tokens;
 };
 
-constexpr int kChunkKeys = 32;     // keys per block
-constexpr int kChunkLanes = 96;    // lanes per item (before rounding up to whole tokens)
-
-inline int64_t chunk_tokens_per_item(int64_t groups) { return std::max<int64_t>(1, kChunkLanes / groups); }
-inline int64_t chunk_tiles(int64_t groups) { return (chunk_tokens_per_item(groups) * groups + 15) / 16; }
 
 // Scores of keys [0, nk) against one tile: st[16 * j + lane] = q_lane . key_j (unscaled).
 // fp32: qt is [dim][16]; bf16 with AVX512-BF16: qt is [dim / 2][16] pairs of bf16.
@@ -545,7 +547,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     }
     const int64_t single_scratch = groups * (2 * dim + padded) + dim;
     const int64_t tiles = chunked ? chunk_tiles(groups) : 0;
-    const int64_t chunk_scratch = tiles * (2 * dim * 16 + 4 * 16) + 32 * 16;
+    const int64_t chunk_scratch = tiles * (2 * dim * 16 + 4 * 16) + kChunkKeys * 16;
     at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t part_begin, int64_t part_end) {
       std::vector<float> scratch(static_cast<size_t>(std::max(single_scratch, chunk_scratch)));
       const int64_t begin = bounds[part_begin], end = bounds[part_end];
