@@ -39,6 +39,7 @@ from neuron_lmi.engine.types import (
     TokenEvent,
     TopToken,
 )
+from neuron_lmi.models import native
 from neuron_lmi.runners.base import BatchKind, ModelRunner, StepBatch, capabilities_of
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class EngineCore:
         self.admission = Admission(tokenizer.encode, limits)
         self._stop_ids = sorted(self.eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, runner.vocab_size, self._stop_ids)
+        # The sampler's draw is a native kernel: built (once per host) or loaded now, at start-up,
+        # rather than on the first sampled request.
+        native.kernels()
         extend = capabilities.extend
         if prefill is None:
             step = min(DEFAULT_STEP_TOKENS, max_prefill_tokens)

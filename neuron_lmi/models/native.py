@@ -49,6 +49,12 @@ def cpuinfo_field(name: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return ""
 
 
+def host_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The first ``flags`` line of ``cpuinfo`` as a set (empty where there is none: not Linux, or
+    not x86)."""
+    return frozenset(cpuinfo_field("flags", cpuinfo).split())
+
+
 def build_directory() -> Path:
     """Per torch version, sources, flags and CPU: any change builds again."""
     digest = hashlib.sha256()

@@ -71,6 +71,7 @@ def register_python_kernels() -> None:
 def draw_from_logits(logits: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One token per row of ``logits`` ``[B, V]`` (fp32), row i drawn with one uniform number from
     ``generators[i]`` (None: torch's default generator)."""
-    native.kernels()
+    if native.registered() is None:  # an engine registers them at start-up; a direct caller here
+        native.kernels()
     uniform = torch.cat([torch.rand(1, generator=g) for g in generators])
     return torch.ops.neuron_lmi.draw_from_logits(logits, uniform)

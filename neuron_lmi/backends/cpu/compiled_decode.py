@@ -48,11 +48,11 @@ from compile_cache import CompileCache
 from compile_cache.key import CacheKeyInputs, fingerprint_weights
 from compile_cache.store import Entry
 from neuron_lmi.backends.cpu.aot import DTYPE_NAMES, architecture_description, cpu_capability, load_package
-from neuron_lmi.backends.cpu.graphs import StepGraph, check_compilable, decode_attention_form
+from neuron_lmi.backends.cpu.graphs import StepGraph, avx512_host, check_compilable, decode_attention_form
 from neuron_lmi.engine.scheduler import DEFAULT_STEP_TOKENS
 from neuron_lmi.models import packed_linear
 from neuron_lmi.models.llama import LlamaForCausalLM
-from neuron_lmi.models.native import cpuinfo_field
+from neuron_lmi.models.native import host_cpu_flags
 from neuron_lmi.models.quant import (
     Int4Linear,
     Int8Linear,
@@ -90,11 +90,10 @@ def chunk_pair_limit(model: LlamaForCausalLM) -> int | None:
     """The (query, key) pairs a step's prompt chunks may hold in ``model``'s step graph: None (any)
     where the op's chunk path runs (the op's form, an AVX-512 host, head dim 64 or 128, fp32, or bf16
     on a host with AVX512-BF16), else ``CHUNK_PAIR_LIMIT``."""
-    avx512 = str(torch.backends.cpu.get_cpu_capability()).startswith("AVX512")
-    bf16_dot = "avx512_bf16" in cpuinfo_field("flags").split()
+    bf16_dot = "avx512_bf16" in host_cpu_flags()
     chunk_path = (
         decode_attention_form() == "op"
-        and avx512
+        and avx512_host()
         and model.args.head_dim in CHUNK_PATH_HEAD_DIMS
         and (model.dtype == torch.float32 or (model.dtype == torch.bfloat16 and bf16_dot))
     )

@@ -31,6 +31,7 @@ from neuron_lmi.config.options import (
 )
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.scheduler import JoinPolicy
+from neuron_lmi.models.native import host_cpu_flags
 
 if TYPE_CHECKING:
     from compile_cache import CompileCache
@@ -53,14 +54,6 @@ def default_cpu_dtype(cpu_flags: Collection[str], capability: str) -> str:
     (``capability`` from ``torch.backends.cpu.get_cpu_capability()``; ``ATEN_CPU_CAPABILITY=avx2``
     turns them off) -- else ``fp32``."""
     return "bf16" if capability.upper().startswith("AVX512") and BF16_CPU_FLAGS & set(cpu_flags) else "fp32"
-
-
-def host_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The first ``flags`` line of ``cpuinfo`` (empty where there is none: not Linux, or not x86),
-    through the one cpuinfo reader (``models.native.cpuinfo_field``)."""
-    from neuron_lmi.models.native import cpuinfo_field
-
-    return frozenset(cpuinfo_field("flags", cpuinfo).split())
 
 
 def resolve_cpu_dtype(dtype: str | None) -> str:

@@ -126,7 +126,13 @@ def decode_attention_form() -> str:
         if forced not in ("op", "inductor"):
             raise ValueError(f"{ATTENTION_ENV}={forced!r}: expected op or inductor")
         return forced
-    return "op" if str(torch.backends.cpu.get_cpu_capability()).startswith("AVX512") else "inductor"
+    return "op" if avx512_host() else "inductor"
+
+
+def avx512_host() -> bool:
+    """Whether torch runs this CPU's AVX-512 kernels (what the native build's ``-march=native``
+    finds too)."""
+    return str(torch.backends.cpu.get_cpu_capability()).startswith("AVX512")
 
 
 def decode_rows(

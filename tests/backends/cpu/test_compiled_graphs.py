@@ -314,12 +314,12 @@ def test_the_pair_limit_follows_the_ops_chunk_path(
     """No pair limit (and no extend graph) only where the op's chunk path runs: its form on an
     AVX-512 host, head dim 64 or 128, fp32 or (with AVX512-BF16) bf16. The test models' head dim 16
     keeps the limit; a step package takes any chunk without one."""
-    from neuron_lmi.models.native import cpuinfo_field
+    from neuron_lmi.models.native import host_cpu_flags
     from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
 
     monkeypatch.delenv(graphs.ATTENTION_ENV, raising=False)
-    avx512 = str(torch.backends.cpu.get_cpu_capability()).startswith("AVX512")
-    bf16_dot = "avx512_bf16" in cpuinfo_field("flags").split()
+    avx512 = graphs.avx512_host()
+    bf16_dot = "avx512_bf16" in host_cpu_flags()
     head16 = load_tiny(tiny_llama_dir)
     head64_dir = make_tiny_checkpoint(tmp_path / "head64", "llama", hidden_size=128, num_attention_heads=2)
     head64, head64_bf16 = load_tiny(head64_dir), load_tiny(head64_dir, torch.bfloat16)

@@ -10,12 +10,8 @@ from typing import Any
 
 import pytest
 
-from neuron_lmi.backends.cpu.engine import (
-    CpuEngineOptions,
-    default_cpu_dtype,
-    host_cpu_flags,
-    resolve_cpu_dtype,
-)
+from neuron_lmi.backends.cpu.engine import CpuEngineOptions, default_cpu_dtype, resolve_cpu_dtype
+from neuron_lmi.models.native import host_cpu_flags
 
 
 @pytest.mark.parametrize(
