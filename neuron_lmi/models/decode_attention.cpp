@@ -138,8 +138,23 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 // exp(x) for x <= 0: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by a degree-6 polynomial
 // (relative error about 2e-7); scalef applies 2^n and gives 0 far below the smallest float.
+// exp2_16 is the same for 2^x (x <= 0), without the first multiplication: the chunk path keeps its
+// scores in base 2 (scaled by log2 e with the softmax scale, once per score).
+constexpr float kLog2E = 1.44269504088896341f;
+inline __m512 exp2_16(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
 inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(kLog2E));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
   __m512 p = _mm512_set1_ps(1.f / 720);
@@ -300,42 +315,157 @@ struct ChunkItem {
 };
 
 
-// Scores of keys [0, nk) against one tile: st[16 * j + lane] = q_lane . key_j (unscaled).
-// fp32: qt is [dim][16]; bf16 with AVX512-BF16: qt is [dim / 2][16] pairs of bf16.
-template <int kDim, int kKeysAtOnce>
-inline void tile_scores(const float* qt, const float* keys, int64_t ks, float* st) {
-  __m512 acc[kKeysAtOnce];
-  for (int j = 0; j < kKeysAtOnce; ++j) acc[j] = _mm512_setzero_ps();
+// Scores of keys [0, nk) against kTiles tiles at once (each key element is broadcast once for
+// all of them): st[i][16 * j + lane] = q_lane . key_j * mul for tile i; top[i] takes their maximum
+// per lane. fp32: qt[i] is [dim][16]; bf16 with AVX512-BF16: qt[i] is [dim / 2][16] pairs of bf16.
+template <int kDim, int kTiles, int kKeysAtOnce>
+inline void tile_scores(const float* const* qt, const float* keys, int64_t ks, float* const* st, __m512 mul,
+                        __m512* top) {
+  __m512 acc[kTiles][kKeysAtOnce];
+  for (int i = 0; i < kTiles; ++i)
+    for (int j = 0; j < kKeysAtOnce; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int d = 0; d < kDim; ++d) {
-    const __m512 qv = _mm512_loadu_ps(qt + 16 * d);
-    for (int j = 0; j < kKeysAtOnce; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(keys[j * ks + d]), acc[j]);
+    __m512 qv[kTiles];
+    for (int i = 0; i < kTiles; ++i) qv[i] = _mm512_loadu_ps(qt[i] + 16 * d);
+    for (int j = 0; j < kKeysAtOnce; ++j) {
+      const __m512 key = _mm512_set1_ps(keys[j * ks + d]);
+      for (int i = 0; i < kTiles; ++i) acc[i][j] = _mm512_fmadd_ps(qv[i], key, acc[i][j]);
+    }
   }
-  for (int j = 0; j < kKeysAtOnce; ++j) _mm512_storeu_ps(st + 16 * j, acc[j]);
+  for (int i = 0; i < kTiles; ++i)
+    for (int j = 0; j < kKeysAtOnce; ++j) {
+      const __m512 s = _mm512_mul_ps(acc[i][j], mul);
+      _mm512_storeu_ps(st[i] + 16 * j, s);
+      top[i] = _mm512_max_ps(top[i], s);
+    }
 }
 
 #if defined(__AVX512BF16__)
-template <int kDim, int kKeysAtOnce>
-inline void tile_scores(const float* qt, const c10::BFloat16* keys, int64_t ks, float* st) {
-  __m512 acc[kKeysAtOnce];
-  for (int j = 0; j < kKeysAtOnce; ++j) acc[j] = _mm512_setzero_ps();
+template <int kDim, int kTiles, int kKeysAtOnce>
+inline void tile_scores(const float* const* qt, const c10::BFloat16* keys, int64_t ks, float* const* st,
+                        __m512 mul, __m512* top) {
+  __m512 acc[kTiles][kKeysAtOnce];
+  for (int i = 0; i < kTiles; ++i)
+    for (int j = 0; j < kKeysAtOnce; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int p = 0; p < kDim / 2; ++p) {
-    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt + 16 * p);
+    __m512bh qv[kTiles];
+    for (int i = 0; i < kTiles; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(qt[i] + 16 * p);
     for (int j = 0; j < kKeysAtOnce; ++j) {
       int32_t pair;
       std::memcpy(&pair, keys + j * ks + 2 * p, sizeof pair);
-      acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_set1_epi32(pair));
+      const __m512bh key = (__m512bh)_mm512_set1_epi32(pair);
+      for (int i = 0; i < kTiles; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], qv[i], key);
     }
   }
-  for (int j = 0; j < kKeysAtOnce; ++j) _mm512_storeu_ps(st + 16 * j, acc[j]);
+  for (int i = 0; i < kTiles; ++i)
+    for (int j = 0; j < kKeysAtOnce; ++j) {
+      const __m512 s = _mm512_mul_ps(acc[i][j], mul);
+      _mm512_storeu_ps(st[i] + 16 * j, s);
+      top[i] = _mm512_max_ps(top[i], s);
+    }
 }
 #endif
 
-template <typename T, int kDim>
-inline void block_scores(const float* qt, const T* keys, int64_t ks, int64_t nk, float* st) {
+// A block's scores for one to three tiles sharing the key broadcasts (one broadcast per kTiles
+// vector multiply-adds): 16, 2 x 12 or 3 x 8 accumulators of the 32 registers, then smaller groups
+// of keys for the rest of the block. Three tiles at once (an item of 96 lanes is two such runs) ran
+// the fp32 chunk 20 % faster than one, six at once slower again.
+template <typename T, int kDim, int kTiles>
+inline void block_scores(const float* const* qt, const T* keys, int64_t ks, int64_t nk, float* const* st,
+                         __m512 mul, __m512* top) {
+  constexpr int kWide = kTiles == 1 ? 16 : kTiles == 2 ? 12 : 8;
+  for (int i = 0; i < kTiles; ++i) top[i] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
-  for (; j + 8 <= nk; j += 8) tile_scores<kDim, 8>(qt, keys + j * ks, ks, st + 16 * j);
-  for (; j < nk; ++j) tile_scores<kDim, 1>(qt, keys + j * ks, ks, st + 16 * j);
+  auto at = [&](int64_t j, float* const* base, float** out) {
+    for (int i = 0; i < kTiles; ++i) out[i] = base[i] + 16 * j;
+  };
+  float* sj[kTiles];
+  for (; j + kWide <= nk; j += kWide) {
+    at(j, st, sj);
+    tile_scores<kDim, kTiles, kWide>(qt, keys + j * ks, ks, sj, mul, top);
+  }
+  for (; j + 4 <= nk; j += 4) {
+    at(j, st, sj);
+    tile_scores<kDim, kTiles, 4>(qt, keys + j * ks, ks, sj, mul, top);
+  }
+  for (; j < nk; ++j) {
+    at(j, st, sj);
+    tile_scores<kDim, kTiles, 1>(qt, keys + j * ks, ks, sj, mul, top);
+  }
 }
+
+// One group of kLanes lanes of a tile: o[lane] = o[lane] * alpha[lane] + sum_j st[j][lane] v_j.
+// Their outputs stay in registers (kLanes * kChunks accumulators) while the block's values stream.
+template <typename T, int kChunks, int kLanes>
+inline void weigh_values(const T* values, int64_t vs, int64_t nk, const float* st, const float* alpha, float* o) {
+  constexpr int kDim = kChunks * 16;
+  __m512 acc[kLanes][kChunks];
+  for (int l = 0; l < kLanes; ++l) {
+    const __m512 a = _mm512_set1_ps(alpha[l]);
+    for (int c = 0; c < kChunks; ++c) acc[l][c] = _mm512_mul_ps(_mm512_loadu_ps(o + l * kDim + 16 * c), a);
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    __m512 row[kChunks];
+    load_values(values + j * vs, row, kChunks);
+    for (int l = 0; l < kLanes; ++l) {
+      const __m512 w = _mm512_set1_ps(st[16 * j + l]);
+      for (int c = 0; c < kChunks; ++c) acc[l][c] = _mm512_fmadd_ps(w, row[c], acc[l][c]);
+    }
+  }
+  for (int l = 0; l < kLanes; ++l)
+    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(o + l * kDim + 16 * c, acc[l][c]);
+}
+
+#if defined(__AVX512BF16__)
+// bf16 values for the dot-product instruction: keys j and j + 1 interleaved, so that each 32-bit
+// lane of out[(j / 2) * kChunks + c] holds (v_j[d], v_j+1[d]) for d = 16c + lane. A lone last key
+// is paired with zeros. Built once per block, for all the item's lanes.
+template <int kChunks>
+inline void pair_values(const c10::BFloat16* v, int64_t vs, int64_t nk, __m512i* out) {
+  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i low = _mm512_load_si512(kLow);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int64_t j = 0; j < nk; j += 2) {
+    for (int c = 0; c < kChunks; c += 2) {
+      const __m512i a = _mm512_loadu_si512(v + j * vs + 16 * c);
+      const __m512i b = j + 1 < nk ? _mm512_loadu_si512(v + (j + 1) * vs + 16 * c) : _mm512_setzero_si512();
+      out[(j / 2) * kChunks + c] = _mm512_permutex2var_epi16(a, low, b);
+      out[(j / 2) * kChunks + c + 1] = _mm512_permutex2var_epi16(a, high, b);
+    }
+  }
+}
+
+// weigh_values for bf16 with pairs of keys: w[16 * p + lane] holds the lane's two weights of
+// pair p, rounded to bf16 (as a bf16 attention's probabilities are); one dot-product instruction
+// does the work of two multiply-adds.
+template <int kChunks, int kLanes>
+inline void weigh_value_pairs(const __m512i* pairs, int64_t n_pairs, const int32_t* w, const float* alpha, float* o) {
+  constexpr int kDim = kChunks * 16;
+  __m512 acc[kLanes][kChunks];
+  for (int l = 0; l < kLanes; ++l) {
+    const __m512 a = _mm512_set1_ps(alpha[l]);
+    for (int c = 0; c < kChunks; ++c) acc[l][c] = _mm512_mul_ps(_mm512_loadu_ps(o + l * kDim + 16 * c), a);
+  }
+  for (int64_t p = 0; p < n_pairs; ++p) {
+    __m512i row[kChunks];
+    for (int c = 0; c < kChunks; ++c) row[c] = _mm512_loadu_si512(pairs + p * kChunks + c);
+    for (int l = 0; l < kLanes; ++l) {
+      const __m512bh wl = (__m512bh)_mm512_set1_epi32(w[16 * p + l]);
+      for (int c = 0; c < kChunks; ++c) acc[l][c] = _mm512_dpbf16_ps(acc[l][c], (__m512bh)row[c], wl);
+    }
+  }
+  for (int l = 0; l < kLanes; ++l)
+    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(o + l * kDim + 16 * c, acc[l][c]);
+}
+
+// Two lanes' vectors of weights as bf16 pairs: lane l of the result is (a[l], b[l]).
+inline __m512i pack_weight_pairs(__m512 a, __m512 b) {
+  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+  const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+#endif
 
 // Whether the chunk path runs type T: fp32 always; bf16 where the dot-product instruction exists.
 template <typename T>
@@ -350,17 +480,23 @@ constexpr bool chunk_path_for() {
 template <typename T, int kChunks>
 void attend_chunk_avx512(const ChunkItem<T>& it, int64_t groups, float scale, int64_t window, float* scratch) {
   constexpr int kDim = kChunks * 16;
-  constexpr int kLaneGroup = 16 / kChunks;  // lanes whose accumulators fit in 16 registers
+  // Lanes whose accumulators take 24 of the 32 registers (6 at head dim 64, 3 at 128), leaving
+  // room for a value row and the weight; kLaneRest is the tile's remainder.
+  constexpr int kLaneGroup = 24 / kChunks;
+  constexpr int kLaneRest = 16 % kLaneGroup;
   constexpr bool kPairs = !std::is_same<T, float>::value;
   const int64_t lanes = it.tokens * groups;
   const int64_t tiles = (lanes + 15) / 16;
   float* qt = scratch;                           // [tiles][kDim][16] (bf16: [kDim / 2][16] pairs)
-  float* o = qt + tiles * kDim * 16;             // [tiles][16][kDim], bf16 values' even/odd order
-  float* st = o + tiles * 16 * kDim;             // [kChunkKeys][16]
-  float* run_max = st + kChunkKeys * 16;         // [tiles][16]
+  float* o = qt + tiles * kDim * 16;             // [tiles][16][kDim]
+  float* st = o + tiles * 16 * kDim;             // [3][kChunkKeys][16]: up to three tiles' scores
+  float* run_max = st + 3 * kChunkKeys * 16;     // [tiles][16]
   float* run_sum = run_max + tiles * 16;         // [tiles][16]
   int32_t* lane_last = reinterpret_cast<int32_t*>(run_sum + tiles * 16);  // [tiles][16]
   int32_t* lane_first = lane_last + tiles * 16;                           // [tiles][16]
+  // bf16: the block's values in pairs of keys, 64-byte aligned ([kChunkKeys / 2][kChunks] vectors).
+  __m512i* value_pairs = reinterpret_cast<__m512i*>(
+      (reinterpret_cast<uintptr_t>(lane_first + tiles * 16) + 63) & ~static_cast<uintptr_t>(63));
   float alpha[16];
   for (int64_t lane = 0; lane < tiles * 16; ++lane) {
     const int64_t t = lane / 16, l = lane % 16;
@@ -385,69 +521,118 @@ void attend_chunk_avx512(const ChunkItem<T>& it, int64_t groups, float scale, in
     run_sum[lane] = 0.f;
   }
   std::fill(o, o + tiles * 16 * kDim, 0.f);
-  const __m512 scale16 = _mm512_set1_ps(scale);
-  const __m512 floor16 = _mm512_set1_ps(-200.f);  // exp16 of it is 0; of -inf it is not defined
+  const __m512 mul16 = _mm512_set1_ps(scale * kLog2E);  // scores in base 2
+  const __m512 floor16 = _mm512_set1_ps(-200.f);  // exp2 of it is 0; of -inf it is not defined
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t key_begin = lane_first[0], key_end = lane_last[lanes - 1] + 1;
   for (int64_t kb = key_begin; kb < key_end; kb += kChunkKeys) {
-    for (int64_t t = 0; t < tiles; ++t) {
+#if defined(__AVX512BF16__)
+    if constexpr (kPairs) {
+      pair_values<kChunks>(reinterpret_cast<const c10::BFloat16*>(it.v) + kb * it.v_stride, it.v_stride,
+                           std::min<int64_t>(kChunkKeys, key_end - kb), value_pairs);
+    }
+#endif
+    // Softmax and weighted values of tile t over the block's first nk keys, scores in sc.
+    auto finish = [&](int64_t t, int64_t nk, float* sc, __m512 top) {
       const int32_t* last = lane_last + 16 * t;
       const int32_t* first = lane_first + 16 * t;
-      // Lanes go by token, so a tile's lanes' ranges rise with the lane.
-      if (kb > last[15] || kb + kChunkKeys <= first[0]) continue;
-      const int64_t nk = std::min<int64_t>(kChunkKeys, last[15] + 1 - kb);
-      block_scores<T, kDim>(qt + t * kDim * 16, it.k + kb * it.k_stride, it.k_stride, nk, st);
-      const bool masked = kb + nk - 1 > last[0] || kb < first[15];
-      const __m512i last16 = _mm512_loadu_si512(last), first16 = _mm512_loadu_si512(first);
-      __m512 top = neg_inf;
-      for (int64_t j = 0; j < nk; ++j) {
-        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(st + 16 * j), scale16);
-        if (masked) {
+      if (kb + nk - 1 > last[0] || kb < first[15]) {  // a block on the diagonal (or the window's edge)
+        const __m512i last16 = _mm512_loadu_si512(last), first16 = _mm512_loadu_si512(first);
+        top = neg_inf;
+        for (int64_t j = 0; j < nk; ++j) {
           const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(kb + j));
           const __mmask16 seen = _mm512_cmp_epi32_mask(key, last16, _MM_CMPINT_LE) &
                                  _mm512_cmp_epi32_mask(key, first16, _MM_CMPINT_NLT);
-          s = _mm512_mask_mov_ps(neg_inf, seen, s);
+          const __m512 s = _mm512_mask_mov_ps(neg_inf, seen, _mm512_loadu_ps(sc + 16 * j));
+          _mm512_storeu_ps(sc + 16 * j, s);
+          top = _mm512_max_ps(top, s);
         }
-        _mm512_storeu_ps(st + 16 * j, s);
-        top = _mm512_max_ps(top, s);
       }
       const __m512 old_max = _mm512_loadu_ps(run_max + 16 * t);
       const __m512 new_max = _mm512_max_ps(old_max, top);
-      // A lane with no key seen yet keeps -inf; it shifts by 0 so that exp gives 0, not NaN.
+      // A lane with no key seen yet keeps -inf; it shifts by 0 so that exp2 gives 0, not NaN.
       const __m512 shift = _mm512_mask_mov_ps(new_max, _mm512_cmp_ps_mask(new_max, neg_inf, _CMP_EQ_OQ),
                                               _mm512_setzero_ps());
-      const __m512 rescale = exp16(_mm512_max_ps(_mm512_sub_ps(old_max, shift), floor16));
+      const __m512 rescale = exp2_16(_mm512_max_ps(_mm512_sub_ps(old_max, shift), floor16));
       __m512 total = _mm512_setzero_ps();
-      for (int64_t j = 0; j < nk; ++j) {
-        const __m512 e = exp16(_mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(st + 16 * j), shift), floor16));
-        _mm512_storeu_ps(st + 16 * j, e);
-        total = _mm512_add_ps(total, e);
+      auto weight = [&](int64_t j) {
+        return exp2_16(_mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + 16 * j), shift), floor16));
+      };
+      if constexpr (kPairs) {  // pair p's weights overwrite sc[2p], already read
+#if defined(__AVX512BF16__)
+        int32_t* pairs = reinterpret_cast<int32_t*>(sc);
+        for (int64_t j = 0; j < nk; j += 2) {
+          const __m512 a = weight(j), b = j + 1 < nk ? weight(j + 1) : _mm512_setzero_ps();
+          _mm512_storeu_si512(pairs + 16 * (j / 2), pack_weight_pairs(a, b));
+          total = _mm512_add_ps(total, _mm512_add_ps(a, b));
+        }
+#endif
+      } else {
+        for (int64_t j = 0; j < nk; ++j) {
+          const __m512 e = weight(j);
+          _mm512_storeu_ps(sc + 16 * j, e);
+          total = _mm512_add_ps(total, e);
+        }
       }
       _mm512_storeu_ps(run_max + 16 * t, new_max);
       _mm512_storeu_ps(run_sum + 16 * t,
                        _mm512_fmadd_ps(_mm512_loadu_ps(run_sum + 16 * t), rescale, total));
       _mm512_storeu_ps(alpha, rescale);
-      // Weighted values: a group of lanes' outputs in registers while the block's values stream.
+      // Weighted values, kLaneGroup lanes at a time, then the tile's remaining lanes.
       const T* values = it.v + kb * it.v_stride;
       float* o_tile = o + t * 16 * kDim;
-      for (int l0 = 0; l0 < 16; l0 += kLaneGroup) {
-        if (t * 16 + l0 >= lanes) break;
-        __m512 acc[kLaneGroup][kChunks];
-        for (int l = 0; l < kLaneGroup; ++l) {
-          const __m512 a = _mm512_set1_ps(alpha[l0 + l]);
-          for (int c = 0; c < kChunks; ++c)
-            acc[l][c] = _mm512_mul_ps(_mm512_loadu_ps(o_tile + (l0 + l) * kDim + 16 * c), a);
+      auto weigh = [&](auto lanes_tag, int l0) {
+        constexpr int kLanes = decltype(lanes_tag)::value;
+        if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+          weigh_value_pairs<kChunks, kLanes>(value_pairs, (nk + 1) / 2, reinterpret_cast<const int32_t*>(sc) + l0,
+                                             alpha + l0, o_tile + l0 * kDim);
+#endif
+        } else {
+          weigh_values<T, kChunks, kLanes>(values, it.v_stride, nk, sc + l0, alpha + l0, o_tile + l0 * kDim);
         }
-        for (int64_t j = 0; j < nk; ++j) {
-          __m512 row[kChunks];
-          load_values(values + j * it.v_stride, row, kChunks);
-          for (int l = 0; l < kLaneGroup; ++l) {
-            const __m512 w = _mm512_set1_ps(st[16 * j + l0 + l]);
-            for (int c = 0; c < kChunks; ++c) acc[l][c] = _mm512_fmadd_ps(w, row[c], acc[l][c]);
-          }
-        }
-        for (int l = 0; l < kLaneGroup; ++l)
-          for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(o_tile + (l0 + l) * kDim + 16 * c, acc[l][c]);
+      };
+      int l0 = 0;
+      for (; l0 + kLaneGroup <= 16 && t * 16 + l0 < lanes; l0 += kLaneGroup)
+        weigh(std::integral_constant<int, kLaneGroup>{}, l0);
+      if constexpr (kLaneRest > 0) {
+        if (l0 < 16 && t * 16 + l0 < lanes) weigh(std::integral_constant<int, kLaneRest>{}, l0);
+      }
+    };
+    // Lanes go by token, so a tile's lanes' ranges rise with the lane (and tile).
+    auto keys_of = [&](int64_t t) -> int64_t {  // 0 where tile t sees none of the block
+      const int32_t* last = lane_last + 16 * t;
+      const int32_t* first = lane_first + 16 * t;
+      if (kb > last[15] || kb + kChunkKeys <= first[0]) return 0;
+      return std::min<int64_t>(kChunkKeys, last[15] + 1 - kb);
+    };
+    const T* keys = it.k + kb * it.k_stride;
+    for (int64_t t = 0; t < tiles;) {
+      const int64_t nk = keys_of(t);
+      if (nk == 0) {
+        ++t;
+        continue;
+      }
+      __m512 top[3];
+      if (t + 2 < tiles && keys_of(t + 1) == nk && keys_of(t + 2) == nk) {  // three tiles over the same keys
+        const float* q3[3] = {qt + t * kDim * 16, qt + (t + 1) * kDim * 16, qt + (t + 2) * kDim * 16};
+        float* s3[3] = {st, st + kChunkKeys * 16, st + 2 * kChunkKeys * 16};
+        block_scores<T, kDim, 3>(q3, keys, it.k_stride, nk, s3, mul16, top);
+        for (int i = 0; i < 3; ++i) finish(t + i, nk, s3[i], top[i]);
+        t += 3;
+      } else if (t + 1 < tiles && keys_of(t + 1) == nk) {  // two tiles over the same keys
+        const float* q2[2] = {qt + t * kDim * 16, qt + (t + 1) * kDim * 16};
+        float* s2[2] = {st, st + kChunkKeys * 16};
+        block_scores<T, kDim, 2>(q2, keys, it.k_stride, nk, s2, mul16, top);
+        finish(t, nk, s2[0], top[0]);
+        finish(t + 1, nk, s2[1], top[1]);
+        t += 2;
+      } else {
+        const float* q1[1] = {qt + t * kDim * 16};
+        float* s1[1] = {st};
+        block_scores<T, kDim, 1>(q1, keys, it.k_stride, nk, s1, mul16, top);
+        finish(t, nk, st, top[0]);
+        t += 1;
       }
     }
   }
@@ -455,8 +640,8 @@ void attend_chunk_avx512(const ChunkItem<T>& it, int64_t groups, float scale, in
     const int64_t i = lane / groups, g = lane % groups;
     const __m512 inv = _mm512_set1_ps(1.f / run_sum[lane]);
     __m512 acc[kChunks];
-    for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_mul_ps(_mm512_loadu_ps(o + lane * kDim + 16 * c), inv);
-    store_values(it.out + i * it.out_token_stride + g * kDim, acc, kChunks);
+    T* out = it.out + i * it.out_token_stride + g * kDim;
+    for (int c = 0; c < kChunks; ++c) store16(out + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + lane * kDim + 16 * c), inv));
   }
 }
 #endif
@@ -547,7 +732,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     }
     const int64_t single_scratch = groups * (2 * dim + padded) + dim;
     const int64_t tiles = chunked ? chunk_tiles(groups) : 0;
-    const int64_t chunk_scratch = tiles * (2 * dim * 16 + 4 * 16) + kChunkKeys * 16;
+    // qt, o, st, the lanes' running max, sum, first and last key; bf16's value pairs and alignment.
+    const int64_t chunk_scratch = tiles * (2 * dim * 16 + 4 * 16) + 3 * kChunkKeys * 16 + kChunkKeys * dim / 2 + 16;
     at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t part_begin, int64_t part_end) {
       std::vector<float> scratch(static_cast<size_t>(std::max(single_scratch, chunk_scratch)));
       const int64_t begin = bounds[part_begin], end = bounds[part_end];

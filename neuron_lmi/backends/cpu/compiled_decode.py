@@ -73,7 +73,7 @@ DECODE_INDUCTOR_CONFIGS = MappingProxyType({"freezing": True, "aot_inductor.pack
 BF16_DECODE_CONFIGS = MappingProxyType({"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"})
 # Per graph: bump when StepGraph / ExtendGraph or their inputs change what a package
 # computes or expects (the version is part of the key, so old entries stop matching).
-GRAPH_VERSIONS = MappingProxyType({"step": 2, "extend": 1})  # step 2: tokens up to step_token_cap
+GRAPH_VERSIONS = MappingProxyType({"step": 3, "extend": 1})  # step 3: last layer for the logits' tokens only
 # One token is exported (the example has more: torch.export specialises a dimension whose example is
 # 1); the attention length starts at 2 (length 1 is never decoded, only padded).
 MIN_TOKENS, MIN_ATTN_LEN = 1, 2

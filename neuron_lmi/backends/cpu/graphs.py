@@ -168,8 +168,8 @@ def step_rows(
     tokens are all one batch of queries; returns the logits of the tokens at ``last``."""
     m = graph.model
     x = F.embedding(tokens[:, None], m.embed)
-    x = token_layers(graph, x, rows, positions, key_pos, None, k_cache, v_cache)
-    return m.logits(x[last, 0])
+    x = token_layers(graph, x, rows, positions, key_pos, None, k_cache, v_cache, outputs=last)
+    return m.logits(x[:, 0])
 
 
 def token_layers(
@@ -181,15 +181,23 @@ def token_layers(
     keep: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    outputs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every layer over ``x`` ``[n, 1, hidden]``, one token per query: its K/V written to ``rows`` at
     ``positions`` (where ``keep`` is False the slot is rewritten with what it holds), then attention
-    over its row's first ``len(key_pos)`` positions up to its own. Returns the last hidden state."""
+    over its row's first ``len(key_pos)`` positions up to its own. Returns the last hidden state,
+    of the tokens at ``outputs`` only where it is given.
+
+    The last layer's attention output and MLP feed nothing but the final hidden state, so with
+    ``outputs`` they run for those tokens alone: every token's K/V is still written, and the rows
+    kept are computed as before. A prompt chunk then skips them for all its tokens but the last
+    (about 1/30 of a chunk's FLOPs on SmolLM2), as llama.cpp's output-id selection does."""
     m, n, length = graph.model, x.shape[0], key_pos.shape[0]
     cos, sin = graph.rope_cos[positions][:, None], graph.rope_sin[positions][:, None]
     window = m.args.sliding_window or 0
     op = decode_attention_form() == "op"
     mask = None if op else m.window_mask(positions[:, None], key_pos[None, :]).view(n, 1, 1, length)
+    final = len(m.layers) - 1
     for i, layer in enumerate(m.layers):
         q, k, v = layer.qkv(x)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -200,6 +208,9 @@ def token_layers(
         if keep is not None:
             new_k, new_v = torch.where(keep, new_k, k_cache[slot]), torch.where(keep, new_v, v_cache[slot])
         k_cache[slot], v_cache[slot] = new_k, new_v
+        if i == final and outputs is not None:
+            q, x, rows, positions = q[outputs], x[outputs], rows[outputs], positions[outputs]
+            mask = None if mask is None else mask[outputs]
         if op:
             keys, values = k_cache[i, :, :, :length], v_cache[i, :, :, :length]
             attn = decode_attention(q, keys, values, rows, positions, m.scale, window)

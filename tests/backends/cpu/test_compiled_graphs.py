@@ -13,7 +13,7 @@ from neuron_lmi.backends.cpu import compiled_decode, compiled_extend, graphs
 from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.backends.cpu.runner import CpuRunner
 from neuron_lmi.engine.types import SamplingParams
-from neuron_lmi.models import packed_linear
+from neuron_lmi.models import native, packed_linear
 from tests.backends.cpu.conftest import load_tiny
 
 pytestmark = pytest.mark.slow
@@ -362,3 +362,37 @@ def test_with_the_ops_chunk_path_the_step_graph_runs_every_chunk(
     assert got == want
     assert runner.compiled_decode.steps - before == compiled.core.steps  # every step, one call
     assert runner.rows.in_use() == []
+
+
+def test_the_step_graphs_last_layer_runs_for_the_logits_tokens_only(tiny_llama_dir: Path) -> None:
+    """A 20-token prompt chunk and two decodes in one step: the last layer's MLP sees the three
+    tokens whose logits are wanted, not all 22, and the logits and every K/V written are those of
+    running every token through every layer."""
+    native.kernels()  # the op's CPU kernel, as the engine loads it at start-up
+    model = load_tiny(tiny_llama_dir)
+    graph = graphs.StepGraph(model)
+    args = model.args
+    shape = (args.n_layers, 4, args.n_kv_heads, 64, args.head_dim)
+    tokens = torch.randint(3, 200, (22,), generator=torch.Generator().manual_seed(0))
+    rows = torch.tensor([1] * 20 + [0, 3])
+    positions = torch.tensor([*range(5, 25), 9, 30])
+    last, key_pos = torch.tensor([19, 20, 21]), torch.arange(40)
+    prefix = torch.Generator().manual_seed(1)
+    k_full, v_full = torch.randn(shape, generator=prefix), torch.randn(shape, generator=prefix)
+    k_step, v_step = k_full.clone(), v_full.clone()
+
+    x = model.embed[tokens][:, None]
+    hidden = graphs.token_layers(graph, x, rows, positions, key_pos, None, k_full, v_full)
+    want = model.logits(hidden[last, 0])
+    seen: list[int] = []
+    final = model.layers[-1]
+    real_mlp = final.mlp
+    final.mlp = lambda x: (seen.append(x.shape[0]), real_mlp(x))[1]
+    try:
+        got = graph(tokens, rows, positions, last, key_pos, k_step, v_step)
+    finally:
+        del final.mlp
+    assert seen == [3]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_step, k_full, rtol=0, atol=0)
+    torch.testing.assert_close(v_step, v_full, rtol=0, atol=0)
