@@ -12,7 +12,10 @@ HTTP, the API process and the load client cost.
         [--prompt-tokens 60 --output-tokens 128 --batch 32 --n-positions 512 --seed 0 --out F]
 
 A warm-up round (other prompts) runs first. Printed and written: tokens per second, and per step
-that decoded at least 90% of the rows, the wall and model milliseconds (means).
+that decoded at least 90% of the rows, the wall and model milliseconds (means); the steps that
+forwarded prompt tokens and the decode-only ones, with their seconds (where a prefill-heavy load's
+time goes: ``--prompt-tokens 1000 --output-tokens 50 --concurrency 16 --requests 32 --n-positions
+2048``).
 """
 
 from __future__ import annotations
@@ -53,20 +56,28 @@ def replay(core: EngineCore, workload: Workload, concurrency: int, requests: int
         live.add(request_id)
 
     full_rows = FULL_BATCH * runner.rows.n_rows
-    full_wall = full_model = 0.0
-    full_steps = steps = tokens = 0
+    full_wall = full_model = prefill_s = decode_only_s = 0.0
+    full_steps = steps = tokens = prefill_steps = decode_only_steps = 0
     start = time.perf_counter()
     while sent < requests or core.has_work():
         while len(live) < concurrency and sent < requests:
             add()
-        rows0, model0, step0 = runner.decoded_rows, runner.forward_s, time.perf_counter()
+        rows0, prompt0, model0 = runner.decoded_rows, runner.prompt_tokens, runner.forward_s
+        step0 = time.perf_counter()
         core.step()
+        step_s = time.perf_counter() - step0
         steps += 1
         rows = runner.decoded_rows - rows0
         tokens += rows
+        if runner.prompt_tokens > prompt0:
+            prefill_steps += 1
+            prefill_s += step_s
+        elif rows:
+            decode_only_steps += 1
+            decode_only_s += step_s
         if rows >= full_rows:
             full_steps += 1
-            full_wall += time.perf_counter() - step0
+            full_wall += step_s
             full_model += runner.forward_s - model0
     wall = time.perf_counter() - start
     return {
@@ -77,6 +88,10 @@ def replay(core: EngineCore, workload: Workload, concurrency: int, requests: int
         "full_steps": full_steps,
         "wall_ms_per_full_step": 1000 * full_wall / max(full_steps, 1),
         "model_ms_per_full_step": 1000 * full_model / max(full_steps, 1),
+        "prefill_steps": prefill_steps,
+        "prefill_s": prefill_s,
+        "decode_only_steps": decode_only_steps,
+        "decode_only_s": decode_only_s,
     }
 
 

@@ -298,8 +298,10 @@ void attend_avx512(const Item<T>& it, int64_t groups, float scale, float* scratc
 // head. Its lanes are (token, query head of the group) pairs, 16 to a tile. The per-query path
 // above reads the row's K/V again for every token and reduces every score horizontally; here each
 // block of keys is read once for all the item's lanes, and the scores of a tile come out 16 lanes
-// at a time: the queries are transposed once (lane-minor), and each key's elements are broadcast.
-// The softmax is taken online, block by block (running max and sum per lane, flash-style).
+// at a time: the queries are transposed once (lane-minor), and each key's elements are broadcast
+// (once for up to three tiles). The softmax is taken online, block by block (running max and sum
+// per lane, flash-style), in base 2. In bf16 the weighted values run on the dot-product
+// instruction too, over pairs of keys, with the probabilities rounded to bf16.
 template <typename T>
 struct ChunkItem {
   const T* q;             // token t0's first query head of the group
@@ -732,7 +734,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     }
     const int64_t single_scratch = groups * (2 * dim + padded) + dim;
     const int64_t tiles = chunked ? chunk_tiles(groups) : 0;
-    // qt, o, st, the lanes' running max, sum, first and last key; bf16's value pairs and alignment.
+    // qt and o; three tiles' scores; the lanes' running max, sum, first and last key; bf16's value pairs
+    // and their alignment.
     const int64_t chunk_scratch = tiles * (2 * dim * 16 + 4 * 16) + 3 * kChunkKeys * 16 + kChunkKeys * dim / 2 + 16;
     at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t part_begin, int64_t part_end) {
       std::vector<float> scratch(static_cast<size_t>(std::max(single_scratch, chunk_scratch)));

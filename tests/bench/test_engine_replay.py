@@ -20,3 +20,7 @@ def test_every_request_runs_to_its_length_with_the_batch_kept_full(tiny_llama_di
     # decode steps each), then the last 2 requests alone, never a full batch.
     assert result["full_steps"] == 2 * 8
     assert result["wall_ms_per_full_step"] >= result["model_ms_per_full_step"] > 0
+    # Each wave's prompts go in one step (48 tokens, under the step budget), then its 8 decodes:
+    # every step is one kind or the other, and their seconds add up to the run's.
+    assert (result["prefill_steps"], result["decode_only_steps"]) == (3, 3 * 8) == (3, result["steps"] - 3)
+    assert 0 < result["prefill_s"] + result["decode_only_s"] <= result["duration_s"]
