@@ -136,10 +136,10 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
-// exp(x) for x <= 0: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by a degree-6 polynomial
-// (relative error about 2e-7); scalef applies 2^n and gives 0 far below the smallest float.
-// exp2_16 is the same for 2^x (x <= 0), without the first multiplication: the chunk path keeps its
-// scores in base 2 (scaled by log2 e with the softmax scale, once per score).
+// 2^t for t <= 0: 2^n * 2^f with n = round(t), |f| <= 1/2, 2^f by a degree-6 polynomial in f ln 2
+// (relative error about 2e-7); scalef applies 2^n and gives 0 far below the smallest float. The
+// chunk path keeps its scores in base 2 (log2 e folded into the softmax scale, once per score);
+// exp16 is exp(x) = 2^(x log2 e) for the rest.
 constexpr float kLog2E = 1.44269504088896341f;
 inline __m512 exp2_16(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -153,19 +153,7 @@ inline __m512 exp2_16(__m512 t) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
-inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(kLog2E));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+inline __m512 exp16(__m512 x) { return exp2_16(_mm512_mul_ps(x, _mm512_set1_ps(kLog2E))); }
 
 // One key row against one query head: a 16-lane vector whose lanes sum to the dot product (to be
 // reduced with others). fp32 keys: kChunks fused multiply-adds on the fp32 query. bf16 keys with
@@ -396,16 +384,27 @@ inline void block_scores(const float* const* qt, const T* keys, int64_t ks, int6
   }
 }
 
+// A group of lanes' outputs so far, [kLanes][kDim] at o, into registers, each lane's scaled by its
+// alpha (the online softmax's correction for a new maximum); and back.
+template <int kChunks, int kLanes>
+inline void rescaled_outputs(const float* o, const float* alpha, __m512 (&acc)[kLanes][kChunks]) {
+  for (int l = 0; l < kLanes; ++l) {
+    const __m512 a = _mm512_set1_ps(alpha[l]);
+    for (int c = 0; c < kChunks; ++c) acc[l][c] = _mm512_mul_ps(_mm512_loadu_ps(o + (l * kChunks + c) * 16), a);
+  }
+}
+template <int kChunks, int kLanes>
+inline void store_outputs(const __m512 (&acc)[kLanes][kChunks], float* o) {
+  for (int l = 0; l < kLanes; ++l)
+    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(o + (l * kChunks + c) * 16, acc[l][c]);
+}
+
 // One group of kLanes lanes of a tile: o[lane] = o[lane] * alpha[lane] + sum_j st[j][lane] v_j.
 // Their outputs stay in registers (kLanes * kChunks accumulators) while the block's values stream.
 template <typename T, int kChunks, int kLanes>
 inline void weigh_values(const T* values, int64_t vs, int64_t nk, const float* st, const float* alpha, float* o) {
-  constexpr int kDim = kChunks * 16;
   __m512 acc[kLanes][kChunks];
-  for (int l = 0; l < kLanes; ++l) {
-    const __m512 a = _mm512_set1_ps(alpha[l]);
-    for (int c = 0; c < kChunks; ++c) acc[l][c] = _mm512_mul_ps(_mm512_loadu_ps(o + l * kDim + 16 * c), a);
-  }
+  rescaled_outputs<kChunks, kLanes>(o, alpha, acc);
   for (int64_t j = 0; j < nk; ++j) {
     __m512 row[kChunks];
     load_values(values + j * vs, row, kChunks);
@@ -414,8 +413,7 @@ inline void weigh_values(const T* values, int64_t vs, int64_t nk, const float* s
       for (int c = 0; c < kChunks; ++c) acc[l][c] = _mm512_fmadd_ps(w, row[c], acc[l][c]);
     }
   }
-  for (int l = 0; l < kLanes; ++l)
-    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(o + l * kDim + 16 * c, acc[l][c]);
+  store_outputs<kChunks, kLanes>(acc, o);
 }
 
 #if defined(__AVX512BF16__)
@@ -443,12 +441,8 @@ inline void pair_values(const c10::BFloat16* v, int64_t vs, int64_t nk, __m512i*
 // does the work of two multiply-adds.
 template <int kChunks, int kLanes>
 inline void weigh_value_pairs(const __m512i* pairs, int64_t n_pairs, const int32_t* w, const float* alpha, float* o) {
-  constexpr int kDim = kChunks * 16;
   __m512 acc[kLanes][kChunks];
-  for (int l = 0; l < kLanes; ++l) {
-    const __m512 a = _mm512_set1_ps(alpha[l]);
-    for (int c = 0; c < kChunks; ++c) acc[l][c] = _mm512_mul_ps(_mm512_loadu_ps(o + l * kDim + 16 * c), a);
-  }
+  rescaled_outputs<kChunks, kLanes>(o, alpha, acc);
   for (int64_t p = 0; p < n_pairs; ++p) {
     __m512i row[kChunks];
     for (int c = 0; c < kChunks; ++c) row[c] = _mm512_loadu_si512(pairs + p * kChunks + c);
@@ -457,8 +451,7 @@ inline void weigh_value_pairs(const __m512i* pairs, int64_t n_pairs, const int32
       for (int c = 0; c < kChunks; ++c) acc[l][c] = _mm512_dpbf16_ps(acc[l][c], (__m512bh)row[c], wl);
     }
   }
-  for (int l = 0; l < kLanes; ++l)
-    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(o + l * kDim + 16 * c, acc[l][c]);
+  store_outputs<kChunks, kLanes>(acc, o);
 }
 
 // Two lanes' vectors of weights as bf16 pairs: lane l of the result is (a[l], b[l]).
