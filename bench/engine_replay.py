@@ -31,6 +31,7 @@ from neuron_lmi.bench.workload import TokenCount, Workload
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.step_clock import FULL_BATCH, time_runner
 from neuron_lmi.engine.types import SamplingParams, TokenEvent
+from neuron_lmi.runners.base import StepBatch
 
 WARMUP_SEED_OFFSET = 10_000  # as in vllm_compare: the warm-up's prompts are none of the measured ones
 
@@ -40,6 +41,15 @@ def replay(core: EngineCore, workload: Workload, concurrency: int, requests: int
     runner = time_runner(core)
     live: set[str] = set()
     sent = 0
+    # Prompt tokens forwarded, counted here rather than in the engine's TimedRunner, whose forward
+    # is on every serving step's path.
+    prompt_tokens = 0
+    timed_forward = runner.forward
+
+    def forward(batch: StepBatch) -> object:
+        nonlocal prompt_tokens
+        prompt_tokens += sum(len(chunk) for chunk in batch.chunks) - batch.decodes
+        return timed_forward(batch)
 
     def add() -> None:
         nonlocal sent
@@ -58,18 +68,19 @@ def replay(core: EngineCore, workload: Workload, concurrency: int, requests: int
     full_rows = FULL_BATCH * runner.rows.n_rows
     full_wall = full_model = prefill_s = decode_only_s = 0.0
     full_steps = steps = tokens = prefill_steps = decode_only_steps = 0
+    runner.forward = forward
     start = time.perf_counter()
     while sent < requests or core.has_work():
         while len(live) < concurrency and sent < requests:
             add()
-        rows0, prompt0, model0 = runner.decoded_rows, runner.prompt_tokens, runner.forward_s
+        rows0, prompt0, model0 = runner.decoded_rows, prompt_tokens, runner.forward_s
         step0 = time.perf_counter()
         core.step()
         step_s = time.perf_counter() - step0
         steps += 1
         rows = runner.decoded_rows - rows0
         tokens += rows
-        if runner.prompt_tokens > prompt0:
+        if prompt_tokens > prompt0:
             prefill_steps += 1
             prefill_s += step_s
         elif rows:
@@ -80,6 +91,7 @@ def replay(core: EngineCore, workload: Workload, concurrency: int, requests: int
             full_wall += step_s
             full_model += runner.forward_s - model0
     wall = time.perf_counter() - start
+    runner.forward = timed_forward
     return {
         "duration_s": wall,
         "steps": steps,

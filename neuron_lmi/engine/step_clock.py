@@ -39,7 +39,6 @@ class TimedRunner:
         self.forward_s = 0.0
         self.forward_cpu_s = 0.0  # CPU time of the calling thread inside forward calls
         self.decoded_rows = 0
-        self.prompt_tokens = 0  # prompt tokens forwarded (chunk lines that are not a decode)
         for name in CONSTANT_ATTRIBUTES:  # read per token by the core: no __getattr__ on the way
             if hasattr(runner, name):
                 setattr(self, name, getattr(runner, name))
@@ -58,7 +57,6 @@ class TimedRunner:
                 self.forward_cpu_s += time.thread_time() - cpu
                 if name == "forward":
                     self.decoded_rows += batch.decodes
-                    self.prompt_tokens += sum(len(chunk) for chunk in batch.chunks) - batch.decodes
 
         return call
 
