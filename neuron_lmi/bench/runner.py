@@ -26,17 +26,27 @@ LEVEL_INDEX_STRIDE = 10_000_000  # levels draw disjoint request indices: no prom
 
 @dataclass(slots=True)
 class RequestResult:
-    """The outcome of one request. Times are seconds; ``ttft`` and ``itl`` exist only when streaming."""
+    """The outcome of one request. Times are seconds; ``token_times`` (hence ``ttft`` and ``itl``)
+    exist only when streaming."""
 
     index: int
     ok: bool
     e2e: float
     prompt_tokens: int
     output_tokens: int = 0
-    ttft: float | None = None
-    itl: list[float] = field(default_factory=list)
+    # Wall-clock time of sending (``time.time()``): lines up requests of separate load processes.
+    sent_at: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # after sending, one per chunk with tokens
     error: str | None = None  # a short kind, counted in the summary: "HTTP 503", "timeout", ...
     detail: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def itl(self) -> list[float]:
+        return [later - earlier for earlier, later in itertools.pairwise(self.token_times)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,22 +120,15 @@ async def _send_streaming(
             body = (await resp.aread()).decode(errors="replace")
             return _failure(req, start, f"HTTP {resp.status_code}", body)
         parser = config.api.stream_parser()
-        ttft: float | None = None
-        itl: list[float] = []
-        previous = start
+        token_times: list[float] = []
         n_tokens = 0
         summary = Chunk()
         async for line in resp.aiter_lines():
             chunk = parser.feed(line)
             if chunk is None:
                 continue
-            now = time.perf_counter()
             if chunk.tokens:
-                if ttft is None:
-                    ttft = now - start
-                else:
-                    itl.append(now - previous)
-                previous = now
+                token_times.append(time.perf_counter() - start)
                 n_tokens += chunk.tokens
             if chunk.reported_output_tokens is not None:
                 summary.reported_output_tokens = chunk.reported_output_tokens
@@ -135,7 +138,7 @@ async def _send_streaming(
     if not summary.done:
         return _failure(req, start, "incomplete stream", f"stream ended after {n_tokens} tokens")
     result = _finish(req, start, n_tokens, summary)
-    result.ttft, result.itl = ttft, itl
+    result.token_times = token_times
     return result
 
 
@@ -158,20 +161,22 @@ async def send_one(
     client: httpx.AsyncClient, config: LoadConfig, url: str, req: BenchRequest
 ) -> RequestResult:
     """Send one request and measure it; every failure is returned, never raised or retried."""
-    start = time.perf_counter()
+    sent_at, start = time.time(), time.perf_counter()
     send = _send_streaming if config.stream else _send_whole
     try:
         # httpx's timeout applies per read; this bounds the whole request, slow streams included
         async with asyncio.timeout(config.timeout):
-            return await send(client, config, url, req)
+            result = await send(client, config, url, req)
     except TimeoutError:
-        return _failure(req, start, "timeout", f"no complete response within {config.timeout} s")
+        result = _failure(req, start, "timeout", f"no complete response within {config.timeout} s")
     except httpx.TimeoutException as exc:
-        return _failure(req, start, "timeout", f"{type(exc).__name__}: {exc}")
+        result = _failure(req, start, "timeout", f"{type(exc).__name__}: {exc}")
     except httpx.HTTPError as exc:
-        return _failure(req, start, type(exc).__name__, str(exc))
+        result = _failure(req, start, type(exc).__name__, str(exc))
     except ServerError as exc:
-        return _failure(req, start, "server error", str(exc))
+        result = _failure(req, start, "server error", str(exc))
+    result.sent_at = sent_at
+    return result
 
 
 async def run_level(

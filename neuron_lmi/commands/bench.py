@@ -49,6 +49,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--timeout", type=float, default=300.0, help="per-request timeout in seconds")
     parser.add_argument("--out", type=Path, help="write results to a .json or .csv file")
     parser.add_argument("--plot", type=Path, help="write latency/throughput vs concurrency as PNG")
+    parser.add_argument(
+        "--timeline", type=Path, help="write each request's send time and token arrivals as JSON"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.set_defaults(func=run)
     return parser
@@ -66,12 +69,14 @@ def _openai_endpoint(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from neuron_lmi.bench.protocols import Api, RequestOptions
-    from neuron_lmi.bench.report import format_table, plot, summarize, write_results
+    from neuron_lmi.bench.report import format_table, plot, summarize, write_results, write_timeline
     from neuron_lmi.bench.runner import LoadConfig, run_sweep
     from neuron_lmi.bench.workload import Workload, parse_token_count
 
     if args.out is not None and args.out.suffix.lower() not in (".json", ".csv"):
         raise ValueError(f"--out {args.out}: expected a .json or .csv file name")
+    if args.timeline is not None and args.timeline.suffix.lower() != ".json":
+        raise ValueError(f"--timeline {args.timeline}: expected a .json file name")
     options = RequestOptions(
         model=args.model, ignore_eos=args.ignore_eos, openai_endpoint=_openai_endpoint(args)
     )
@@ -111,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         write_results(args.out, described, summaries)
         print(f"results written to {args.out}", file=sys.stderr)
+    if args.timeline is not None:
+        write_timeline(args.timeline, runs)
+        print(f"timeline written to {args.timeline}", file=sys.stderr)
     if args.plot is not None:
         plot(args.plot, summaries, f"{args.api} {config.endpoint()} ({'stream' if args.stream else 'whole'})")
         print(f"plot written to {args.plot}", file=sys.stderr)

@@ -1,11 +1,13 @@
 """The C++ kernels of the ``neuron_lmi::`` ops, built once per host into one library.
 
 ``packed_linear.cpp`` (the packed GEMMs), ``decode_attention.cpp`` (the compiled decode's
-attention) and ``token_draw.cpp`` (the sampler's draw) compile together with torch's C++ extension
-builder (about 20 s) into ``~/.cache/neuron-lmi/kernels/torch-<version>-<digest>``; later processes
-load the built library. The digest covers the sources, the flags and the CPU's instruction-set
-flags: the build targets this CPU (``-march=native``), so a cache directory shared with another kind
-of host builds again instead of running instructions that CPU lacks. Where the build fails (no
+attention) and ``token_draw.cpp`` (the sampler's draw) compile as one translation unit
+(``native_kernels.cpp``) with torch's C++ extension builder (about 10 s, one core) into
+``~/.cache/neuron-lmi/kernels/torch-<version>-<digest>``; later processes load the built library.
+A CPU engine starts the build on a thread (``build_in_background``) as it begins loading its model.
+The digest covers the sources, the flags and the CPU's instruction-set flags: the build targets this
+CPU (``-march=native``), so a cache directory shared with another kind of host builds again instead
+of running instructions that CPU lacks. Where the build fails (no
 compiler, no ninja) ``kernels`` says so once and registers each op module's Python kernels instead.
 ``NEURON_LMI_NATIVE_KERNELS=0`` forces that (the Python kernels' own tests).
 """
@@ -30,6 +32,7 @@ SOURCES = tuple(
     Path(__file__).with_name(name) for name in ("packed_linear.cpp", "decode_attention.cpp", "token_draw.cpp")
 )
 HEADERS = (Path(__file__).with_name("vector_math.h"),)
+UNIT = Path(__file__).with_name("native_kernels.cpp")  # includes SOURCES: what the builder compiles
 FLAGS = ("-O3", "-march=native", "-fopenmp")  # OpenMP: at::parallel_for runs on ATen's threads
 NAME = "neuron_lmi_native"
 
@@ -58,7 +61,7 @@ def host_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
 def build_directory() -> Path:
     """Per torch version, sources, flags and CPU: any change builds again."""
     digest = hashlib.sha256()
-    for source in (*SOURCES, *HEADERS):
+    for source in (UNIT, *SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     digest.update(" ".join(FLAGS).encode())
     digest.update(cpuinfo_field("flags").encode())  # "" where unreadable: sources and flags only
@@ -97,6 +100,18 @@ def kernels() -> str:
     return _kernels
 
 
+def build_in_background() -> None:
+    """Start ``kernels`` on a daemon thread. A first start on a host builds the library (about 20 s
+    on two cores) while the model loads and the graphs trace and compile, which keep one core busy
+    most of that time; tracing needs the ops' schemas and fake kernels only (defined on import), and
+    whatever must run an op calls ``kernels``, which waits for the build under its lock."""
+    # Imported here, by the caller: the thread imports nothing while it holds the lock.
+    from neuron_lmi.models import decode_attention, packed_linear, token_draw  # noqa: F401
+
+    if _kernels is None:
+        threading.Thread(target=kernels, name="neuron-lmi-native-build", daemon=True).start()
+
+
 def registered() -> str | None:
     """What ``kernels`` registered (``native``, ``python``), or None before its first call."""
     return _kernels
@@ -113,7 +128,7 @@ def _build() -> bool:
         with _interpreter_bin_on_path():
             load_extension(
                 name=NAME,
-                sources=[str(source) for source in SOURCES],
+                sources=[str(UNIT)],
                 extra_cflags=list(FLAGS),
                 extra_ldflags=["-fopenmp"],  # the soname torch already loaded: one OpenMP runtime
                 build_directory=str(directory),

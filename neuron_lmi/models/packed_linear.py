@@ -23,9 +23,9 @@ Inside a package, AOTInductor's proxy executor calls an op through the dispatche
 native (``packed_linear.cpp``, built on first use with the other ops' kernels: ``models.native``):
 a Python kernel's per-call cost there, over a step's hundred-odd GEMMs, made a one-row step slower
 than ATen's. Where the build fails (no C++ compiler) the Python kernels below run
-instead, with a warning. Importing this module defines the ops; ``kernel()`` registers their CPU
-kernels, which tracing (``tracing_packed_linears``) and opening a package (``backends.cpu.aot.load_package``)
-do first.
+instead, with a warning. Importing this module defines the ops and their fake kernels, all that
+tracing (``tracing_packed_linears``) needs; ``kernel()`` registers their CPU kernels, which opening a
+package (``backends.cpu.aot.load_package``) does first.
 """
 
 from __future__ import annotations
@@ -164,5 +164,4 @@ def tracing_packed_linears(
     if dtype not in DTYPES[library]:
         takes = ", ".join(map(str, DTYPES[library]))
         raise ValueError(f"{op_name(library)} takes {takes} weights, not {dtype}")
-    kernel()
     return dense_linear_kernel(linear_op(library), dtype)

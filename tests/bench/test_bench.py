@@ -51,6 +51,29 @@ def test_streaming_sweep_counts_tokens_and_latencies(fake_server, tmp_path, api,
     assert "TTFT p50" in table and "out tok/s" in table
 
 
+def test_timeline_holds_every_requests_send_time_and_token_arrivals(fake_server, tmp_path) -> None:
+    timeline = tmp_path / "timeline.json"
+    before = time.time()
+    argv = ["--url", fake_server.url, "--api", "tgi", "--stream", "--concurrency", "2", "--requests", "4"]
+    code, results = run_bench([*argv, "--output-tokens", "5", "--timeline", str(timeline)], tmp_path)
+    after = time.time()
+    assert code == 0
+    (level,) = json.loads(timeline.read_text())["levels"]
+    assert level["concurrency"] == 2 and [r["index"] for r in level["requests"]] == [0, 1, 2, 3]
+    for request in level["requests"]:
+        assert request["ok"] and before <= request["sent_at"] <= after
+        times = request["token_times"]
+        assert len(times) == 5 and times == sorted(times) and request["sent_at"] + times[-1] <= after
+    # the summary's latencies are the timeline's
+    firsts = sorted(r["token_times"][0] for r in level["requests"])
+    assert results["levels"][0]["ttft_p50_ms"] == pytest.approx(1e3 * (firsts[1] + firsts[2]) / 2)
+
+
+def test_a_timeline_must_be_json(fake_server, tmp_path) -> None:
+    with pytest.raises(ValueError, match="--timeline"):
+        run_bench(["--url", fake_server.url, "--timeline", str(tmp_path / "t.csv")], tmp_path)
+
+
 def test_errors_are_counted_not_retried(fake_server, tmp_path) -> None:
     fake_server.state.fail_every = 4  # requests 4, 8, 12 fail: 503, 500, 503
     argv = ["--url", fake_server.url, "--api", "tgi", "--stream", "--concurrency", "3"]

@@ -50,7 +50,7 @@ from compile_cache.store import Entry
 from neuron_lmi.backends.cpu.aot import DTYPE_NAMES, architecture_description, cpu_capability, load_package
 from neuron_lmi.backends.cpu.graphs import StepGraph, avx512_host, check_compilable, decode_attention_form
 from neuron_lmi.engine.scheduler import DEFAULT_STEP_TOKENS
-from neuron_lmi.models import packed_linear
+from neuron_lmi.models import native, packed_linear
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.models.native import host_cpu_flags
 from neuron_lmi.models.quant import (
@@ -270,6 +270,9 @@ def export_package(
     with AOTInductor into ``package_path``."""
     with torch.no_grad():
         program = torch.export.export(graph.eval(), example, dynamic_shapes=dynamic, strict=False)
+    if configs.get("max_autotune"):
+        # Autotuning times candidate kernels: a kernel build still running beside it would skew them.
+        native.kernels()
     torch._inductor.aoti_compile_and_package(
         program, package_path=str(package_path), inductor_configs=configs
     )

@@ -31,7 +31,7 @@ from neuron_lmi.config.options import (
 )
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.scheduler import JoinPolicy
-from neuron_lmi.models.native import host_cpu_flags
+from neuron_lmi.models.native import build_in_background, host_cpu_flags
 
 if TYPE_CHECKING:
     from compile_cache import CompileCache
@@ -227,6 +227,7 @@ def load_cpu_model(options: CpuEngineOptions, path: Path) -> tuple[Any, Any, int
     from neuron_lmi.models.loader import load_checkpoint
     from neuron_lmi.models.quantize import quantize_model
 
+    build_in_background()  # a new host's kernel build runs beside the load and the graphs' compile
     dtype = options.torch_dtype()
     # int4: a GGUF file's Q4/Q8 codes go into the model as they are (never expanded), unless tensor
     # parallelism has dense weights to split first. int8 re-quantizes them per row from their values.
