@@ -101,15 +101,17 @@ def kernels() -> str:
 
 
 def build_in_background() -> None:
-    """Start ``kernels`` on a daemon thread. A first start on a host builds the library (about 20 s
-    on two cores) while the model loads and the graphs trace and compile, which keep one core busy
-    most of that time; tracing needs the ops' schemas and fake kernels only (defined on import), and
-    whatever must run an op calls ``kernels``, which waits for the build under its lock."""
+    """Start ``kernels`` on a thread. A first start on a host builds the library (about 10 s, one
+    core) while the model loads and the graphs trace and compile, which keep one core busy most of
+    that time; tracing needs the ops' schemas and fake kernels only (defined on import), and whatever
+    must run an op calls ``kernels``, which waits for the build under its lock."""
     # Imported here, by the caller: the thread imports nothing while it holds the lock.
     from neuron_lmi.models import decode_attention, packed_linear, token_draw  # noqa: F401
 
     if _kernels is None:
-        threading.Thread(target=kernels, name="neuron-lmi-native-build", daemon=True).start()
+        # Not a daemon: an interpreter exiting mid-build waits for it, since torch's builder would
+        # otherwise leave its lock file in the build directory and the next build wait on it forever.
+        threading.Thread(target=kernels, name="neuron-lmi-native-build").start()
 
 
 def registered() -> str | None:

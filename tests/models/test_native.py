@@ -37,6 +37,12 @@ for thread in threading.enumerate():
 print(native.registered())
 """
 
+BUILD_AND_EXIT = """
+from neuron_lmi.models import native
+
+native.build_in_background()
+"""
+
 
 def test_tracing_a_packed_linear_registers_no_kernel() -> None:
     registered, ops = run_fresh(TRACE_WITHOUT_KERNELS).strip().split(" ", 1)
@@ -47,3 +53,10 @@ def test_tracing_a_packed_linear_registers_no_kernel() -> None:
 @pytest.mark.parametrize(("env", "kernels"), [({}, "native"), ({native.NATIVE_ENV: "0"}, "python")])
 def test_the_background_build_registers_the_kernels_by_itself(env: dict[str, str], kernels: str) -> None:
     assert run_fresh(BUILD_ON_A_THREAD, env).strip() == kernels
+
+
+def test_an_interpreter_exiting_mid_build_waits_for_it(tmp_path) -> None:
+    """Else torch's builder leaves its lock file, and the next build on the host waits on it forever."""
+    run_fresh(BUILD_AND_EXIT, {"XDG_CACHE_HOME": str(tmp_path)})
+    (built,) = (tmp_path / "neuron-lmi" / "kernels").iterdir()
+    assert (built / f"{native.NAME}.so").exists() and not (built / "lock").exists()
