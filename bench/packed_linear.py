@@ -12,9 +12,12 @@ Two measurements, both in one process so that every variant sees the same host a
              interleaved round by round
 
 Medians of ``--repeat`` passes; the variant ``host`` marks is what ``packed_linear.host_library``
-picks on this CPU.
+picks on this CPU. ``--peak`` also measures the host's fp32 FMA peak (independent FMA chains on
+every thread, built with g++ for this CPU) and gives each GEMM pass as a fraction of it: what is
+left for a faster kernel at a prefill's row counts.
 
     .venv/bin/python -m bench.packed_linear --rows 1,8,32 --graphs --out results/packed_linear.json
+    .venv/bin/python -m bench.packed_linear --rows 256,512 --peak
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -120,6 +125,53 @@ def time_graphs(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return out
 
 
+FMA_CHAINS = r"""
+#include <chrono>
+#include <cstdio>
+#include <omp.h>
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float Vec __attribute__((vector_size(kLanes * 4)));
+int main() {  // 12 independent chains per thread cover the FMA latency on two pipes
+  const long iters = 100000000;
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    auto start = std::chrono::steady_clock::now();
+    float sink = 0;
+#pragma omp parallel reduction(+ : sink)
+    {
+      Vec acc[12], mul, add;
+      for (int l = 0; l < kLanes; ++l) mul[l] = 1.0000001f, add[l] = 1e-9f;
+      for (int i = 0; i < 12; ++i) for (int l = 0; l < kLanes; ++l) acc[i][l] = i;
+      for (long n = 0; n < iters; ++n)
+        for (int i = 0; i < 12; ++i) acc[i] = acc[i] * mul + add;
+      for (int i = 0; i < 12; ++i) sink += acc[i][0];
+    }
+    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    double flops = 2.0 * kLanes * 12 * iters * omp_get_max_threads();
+    best = flops / seconds > best ? flops / seconds : best;
+    if (sink == 42) std::puts("");  // keeps the chains
+  }
+  std::printf("%.1f\n", best / 1e9);
+}
+"""
+
+
+def fma_peak_gflops(threads: int) -> float:
+    """fp32 GFLOP/s of ``threads`` threads running nothing but FMAs (the best of three passes)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source, binary = Path(tmp) / "fma.cpp", Path(tmp) / "fma"
+        source.write_text(FMA_CHAINS)
+        flags = ["-O3", "-funroll-loops", "-march=native", "-fopenmp"]
+        subprocess.run(["g++", *flags, str(source), "-o", str(binary)], check=True)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        done = subprocess.run([str(binary)], env=env, check=True, capture_output=True, text=True)
+        return float(done.stdout)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="a checkpoint directory, .gguf file or built-in name")
@@ -129,6 +181,7 @@ def main() -> int:
     p.add_argument("--n-positions", type=int, default=512)
     p.add_argument("--attn-len", type=int, default=124, help="decode attention length (graphs)")
     p.add_argument("--prompt-tokens", type=int, default=60, help="prefill length (graphs)")
+    p.add_argument("--peak", action="store_true", help="also the host's fp32 FMA peak (needs g++)")
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = p.parse_args()
     args.rows = [int(r) for r in args.rows.split(",")]
@@ -154,6 +207,20 @@ def main() -> int:
     print("one step's GEMMs, ms:  rows  " + "  ".join(f"{v:>8}" for v in gemms))
     for n in args.rows:
         print(f"{'':22}{n:5}  " + "  ".join(f"{gemms[v][n]:8.1f}" for v in gemms))
+    if args.peak:
+        # The layers' weights alone: a prompt chunk multiplies every token by those, the head by the
+        # tokens whose logits are wanted only.
+        layers = weights[:-1]
+        layer_ms = time_gemms(layers, args.rows, args.repeat)
+        peak = fma_peak_gflops(torch.get_num_threads())
+        flops = 2 * sum(w.numel() for w in layers)  # per input row
+        gflops = {v: {n: flops * n / (layer_ms[v][n] / 1e3) / 1e9 for n in args.rows} for v in layer_ms}
+        result |= {"layer_gemms_ms": layer_ms, "layer_gemms_gflops": gflops, "fma_peak_gflops": peak}
+        print(f"fp32 FMA peak, {torch.get_num_threads()} threads: {peak:.0f} GFLOP/s")
+        print("the layers' GEMMs (no head), GFLOP/s and % of the peak:")
+        for n in args.rows:
+            cells = (f"{gflops[v][n]:5.0f} {100 * gflops[v][n] / peak:3.0f}%" for v in layer_ms)
+            print(f"{'':22}{n:5}  " + "  ".join(cells))
     if args.graphs:
         graphs = time_graphs(args)
         result["graphs_ms"] = graphs
