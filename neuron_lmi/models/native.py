@@ -7,9 +7,9 @@ attention) and ``token_draw.cpp`` (the sampler's draw) compile as one translatio
 A CPU engine starts the build on a thread (``build_in_background``) as it begins loading its model.
 The digest covers the sources, the flags and the CPU's instruction-set flags: the build targets this
 CPU (``-march=native``), so a cache directory shared with another kind of host builds again instead
-of running instructions that CPU lacks. Where the build fails (no
-compiler, no ninja) ``kernels`` says so once and registers each op module's Python kernels instead.
-``NEURON_LMI_NATIVE_KERNELS=0`` forces that (the Python kernels' own tests).
+of running instructions that CPU lacks. Where the build fails (no compiler, no ninja) ``kernels``
+says so once and registers each op module's Python kernels instead. ``NEURON_LMI_NATIVE_KERNELS=0``
+forces that (the Python kernels' own tests).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp")  # OpenMP: at::parallel_for runs on
 NAME = "neuron_lmi_native"
 
 _kernels: str | None = None  # "native" or "python", once registered
+_builder: threading.Thread | None = None  # build_in_background's thread, started once a process
 _lock = threading.Lock()
 
 
@@ -108,10 +109,12 @@ def build_in_background() -> None:
     # Imported here, by the caller: the thread imports nothing while it holds the lock.
     from neuron_lmi.models import decode_attention, packed_linear, token_draw  # noqa: F401
 
-    if _kernels is None:
+    global _builder
+    if _kernels is None and _builder is None:
         # Not a daemon: an interpreter exiting mid-build waits for it, since torch's builder would
         # otherwise leave its lock file in the build directory and the next build wait on it forever.
-        threading.Thread(target=kernels, name="neuron-lmi-native-build").start()
+        _builder = threading.Thread(target=kernels, name="neuron-lmi-native-build")
+        _builder.start()
 
 
 def registered() -> str | None:
