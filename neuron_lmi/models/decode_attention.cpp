@@ -305,6 +305,18 @@ struct ChunkItem {
 };
 
 
+// The accumulated dot products of tile_scores, scaled, into st[i][16 * j + lane]; top[i] takes
+// their maximum per lane.
+template <int kTiles, int kKeysAtOnce>
+inline void store_scores(const __m512 (&acc)[kTiles][kKeysAtOnce], float* const* st, __m512 mul, __m512* top) {
+  for (int i = 0; i < kTiles; ++i)
+    for (int j = 0; j < kKeysAtOnce; ++j) {
+      const __m512 s = _mm512_mul_ps(acc[i][j], mul);
+      _mm512_storeu_ps(st[i] + 16 * j, s);
+      top[i] = _mm512_max_ps(top[i], s);
+    }
+}
+
 // Scores of keys [0, nk) against kTiles tiles at once (each key element is broadcast once for
 // all of them): st[i][16 * j + lane] = q_lane . key_j * mul for tile i; top[i] takes their maximum
 // per lane. fp32: qt[i] is [dim][16]; bf16 with AVX512-BF16: qt[i] is [dim / 2][16] pairs of bf16.
@@ -322,12 +334,7 @@ inline void tile_scores(const float* const* qt, const float* keys, int64_t ks, f
       for (int i = 0; i < kTiles; ++i) acc[i][j] = _mm512_fmadd_ps(qv[i], key, acc[i][j]);
     }
   }
-  for (int i = 0; i < kTiles; ++i)
-    for (int j = 0; j < kKeysAtOnce; ++j) {
-      const __m512 s = _mm512_mul_ps(acc[i][j], mul);
-      _mm512_storeu_ps(st[i] + 16 * j, s);
-      top[i] = _mm512_max_ps(top[i], s);
-    }
+  store_scores<kTiles, kKeysAtOnce>(acc, st, mul, top);
 }
 
 #if defined(__AVX512BF16__)
@@ -347,12 +354,7 @@ inline void tile_scores(const float* const* qt, const c10::BFloat16* keys, int64
       for (int i = 0; i < kTiles; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], qv[i], key);
     }
   }
-  for (int i = 0; i < kTiles; ++i)
-    for (int j = 0; j < kKeysAtOnce; ++j) {
-      const __m512 s = _mm512_mul_ps(acc[i][j], mul);
-      _mm512_storeu_ps(st[i] + 16 * j, s);
-      top[i] = _mm512_max_ps(top[i], s);
-    }
+  store_scores<kTiles, kKeysAtOnce>(acc, st, mul, top);
 }
 #endif
 
@@ -608,26 +610,23 @@ void attend_chunk_avx512(const ChunkItem<T>& it, int64_t groups, float scale, in
         ++t;
         continue;
       }
-      __m512 top[3];
-      if (t + 2 < tiles && keys_of(t + 1) == nk && keys_of(t + 2) == nk) {  // three tiles over the same keys
-        const float* q3[3] = {qt + t * kDim * 16, qt + (t + 1) * kDim * 16, qt + (t + 2) * kDim * 16};
-        float* s3[3] = {st, st + kChunkKeys * 16, st + 2 * kChunkKeys * 16};
-        block_scores<T, kDim, 3>(q3, keys, it.k_stride, nk, s3, mul16, top);
-        for (int i = 0; i < 3; ++i) finish(t + i, nk, s3[i], top[i]);
-        t += 3;
-      } else if (t + 1 < tiles && keys_of(t + 1) == nk) {  // two tiles over the same keys
-        const float* q2[2] = {qt + t * kDim * 16, qt + (t + 1) * kDim * 16};
-        float* s2[2] = {st, st + kChunkKeys * 16};
-        block_scores<T, kDim, 2>(q2, keys, it.k_stride, nk, s2, mul16, top);
-        finish(t, nk, s2[0], top[0]);
-        finish(t + 1, nk, s2[1], top[1]);
-        t += 2;
+      // Tiles t .. t + kTiles - 1, over the same keys, sharing the key broadcasts.
+      auto score_and_finish = [&](auto tiles_tag) {
+        constexpr int kTiles = decltype(tiles_tag)::value;
+        const float* q[kTiles];
+        float* sc[kTiles];
+        __m512 top[kTiles];
+        for (int i = 0; i < kTiles; ++i) q[i] = qt + (t + i) * kDim * 16, sc[i] = st + i * kChunkKeys * 16;
+        block_scores<T, kDim, kTiles>(q, keys, it.k_stride, nk, sc, mul16, top);
+        for (int i = 0; i < kTiles; ++i) finish(t + i, nk, sc[i], top[i]);
+        t += kTiles;
+      };
+      if (t + 2 < tiles && keys_of(t + 1) == nk && keys_of(t + 2) == nk) {
+        score_and_finish(std::integral_constant<int, 3>{});
+      } else if (t + 1 < tiles && keys_of(t + 1) == nk) {
+        score_and_finish(std::integral_constant<int, 2>{});
       } else {
-        const float* q1[1] = {qt + t * kDim * 16};
-        float* s1[1] = {st};
-        block_scores<T, kDim, 1>(q1, keys, it.k_stride, nk, s1, mul16, top);
-        finish(t, nk, st, top[0]);
-        t += 1;
+        score_and_finish(std::integral_constant<int, 1>{});
       }
     }
   }
