@@ -78,6 +78,10 @@ class CacheKeyInputs:
     already name (a ``NeuronConfig``'s keyword arguments, ``from_pretrained`` keywords, the application
     class): a stale hit must never differ from what would be compiled now. Absent (None) it is left
     out of the description, so keys written before the field existed keep matching.
+    ``isa_features`` names the instruction-set features the build host let the artifact use
+    (``avx512_bf16``, ``amx_tile``, ...: CPU artifacts are built with ``-march=native``). A host
+    lacking any computes another key and compiles its own (``missing_isa_features`` says what it
+    lacks). None (Neuron artifacts, which run on NeuronCores) leaves it out of the description.
     """
 
     architecture: Mapping[str, Any]
@@ -94,6 +98,7 @@ class CacheKeyInputs:
     compiler_flags: tuple[str, ...] = ()
     weights_fingerprint: str | None = None
     library_args: Mapping[str, Any] | None = None
+    isa_features: tuple[str, ...] | None = None
     format_version: int = field(default=ARTIFACT_FORMAT_VERSION)
 
     def __post_init__(self) -> None:
@@ -140,6 +145,13 @@ class CacheKeyInputs:
         if isinstance(self.compiler_flags, str):
             raise ValueError("compiler_flags: pass a sequence of flags, not one string")
         object.__setattr__(self, "compiler_flags", tuple(str(f) for f in self.compiler_flags))
+        if self.isa_features is not None:
+            if isinstance(self.isa_features, str):
+                raise ValueError("isa_features: pass a sequence of feature names, not one string")
+            names = {str(f).strip().lower() for f in self.isa_features}
+            if "" in names:
+                raise ValueError(f"isa_features: empty feature name in {self.isa_features!r}")
+            object.__setattr__(self, "isa_features", tuple(sorted(names)))
         if self.weights_fingerprint is not None and not str(self.weights_fingerprint).strip():
             raise ValueError("weights_fingerprint: must be None or a non-empty string")
 
@@ -151,7 +163,7 @@ class CacheKeyInputs:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "library_args" and value is None:
+            if f.name in ("library_args", "isa_features") and value is None:
                 continue
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
@@ -178,6 +190,12 @@ class CacheKeyInputs:
             return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in description.items()})
         except TypeError as exc:
             raise ValueError(f"key inputs: {exc}") from exc
+
+
+def missing_isa_features(inputs: CacheKeyInputs, available: Iterable[str]) -> tuple[str, ...]:
+    """The features an artifact's build host let it use (``inputs.isa_features``) that a host with
+    ``available`` lacks, sorted: empty where it may run there (and for artifacts that name none)."""
+    return tuple(sorted(set(inputs.isa_features or ()) - set(available)))
 
 
 def token_generation_buckets(n_positions: int, start: int = 128) -> tuple[int, ...]:

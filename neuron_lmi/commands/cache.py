@@ -25,6 +25,7 @@ from compile_cache.key import (
     architecture_config,
     fingerprint_weights,
     halved_context_buckets,
+    missing_isa_features,
     normalize_dtype,
     token_generation_buckets,
 )
@@ -166,24 +167,54 @@ def _run_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def isa_fit(inputs: CacheKeyInputs) -> dict[str, Any] | None:
+    """The instruction-set features an entry was built for and which of them this host lacks (a
+    CPU entry), or None (an entry that names none: a Neuron artifact)."""
+    if inputs.isa_features is None:
+        return None
+    # Imported here: torch (a second's import) only where an entry names features.
+    from neuron_lmi.models import host_isa
+
+    return {"features": list(inputs.isa_features),
+            "missing_here": list(missing_isa_features(inputs, host_isa.isa_features()))}  # fmt: skip
+
+
+def _isa_text(fit: dict[str, Any] | None) -> str:
+    if fit is None:
+        return ""
+    missing = fit["missing_here"]
+    where = f"NOT on this host: it lacks {', '.join(missing)}" if missing else "runs on this host"
+    return f"isa {' '.join(fit['features'])} ({where})"
+
+
 def _run_show(args: argparse.Namespace) -> int:
     e = _cache(args).show(args.key)
     files = "\n".join(f"  {n}  {r.size} B  sha256 {r.sha256}" for n, r in sorted(e.manifest.files.items()))
     inputs = json.dumps(e.inputs.describe(), indent=2, sort_keys=True)
+    fit = isa_fit(e.inputs)
     text = (
         f"key      {e.key}\npath     {e.path}\ncreated  {e.manifest.created.isoformat()}\n"
         f"size     {human_size(e.size)}\ntool     {dict(e.manifest.tool)}\n"
-        f"files:\n{files}\ninputs:\n{inputs}"
+        + (f"{_isa_text(fit)}\n" if fit else "")
+        + f"files:\n{files}\ninputs:\n{inputs}"
     )
-    _emit(args, e.to_json(), text)
+    _emit(args, {**e.to_json(), "isa": fit}, text)
     return 0
 
 
 def _run_verify(args: argparse.Namespace) -> int:
+    """Exit 1 where an entry is damaged; an entry built for features this host lacks is intact (it
+    serves the hosts that have them), so it is reported, not failed."""
     cache = _cache(args)
     reports = [cache.verify(args.key)] if args.key else cache.verify_all()
-    lines = [f"{r.key}  {'ok' if r.ok else 'DAMAGED: ' + '; '.join(r.problems)}" for r in reports]
-    _emit(args, [r.to_json() for r in reports], "\n".join(lines) or f"no entries under {cache.root}")
+    fits = [isa_fit(cache.show(r.key).inputs) if r.ok else None for r in reports]
+    lines = [
+        f"{r.key}  {'ok' if r.ok else 'DAMAGED: ' + '; '.join(r.problems)}"
+        + (f"  {_isa_text(fit)}" if fit else "")
+        for r, fit in zip(reports, fits, strict=True)
+    ]
+    data = [{**r.to_json(), "isa": fit} for r, fit in zip(reports, fits, strict=True)]
+    _emit(args, data, "\n".join(lines) or f"no entries under {cache.root}")
     return 0 if all(r.ok for r in reports) else 1
 
 

@@ -168,3 +168,25 @@ def test_real_entry_point(tmp_path: Path) -> None:
         capture_output=True, text=True, cwd=REPO, env=env, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2 and f"no entry with key abcdef under {tmp_path}" in proc.stderr
+
+
+def test_show_and_verify_say_whether_an_entry_runs_on_this_host(
+    tmp_path: Path, make_key_inputs, compile_fn, capsys
+) -> None:
+    from neuron_lmi.models import host_isa
+
+    here = host_isa.isa_features()
+    cache = CompileCache(tmp_path)
+    local = cache.get_or_compile(make_key_inputs(isa_features=here), compile_fn)
+    elsewhere = make_key_inputs(isa_features=(*here, "amx_tile_from_elsewhere"))
+    foreign = cache.get_or_compile(elsewhere, compile_fn)
+    assert main(["cache", "verify", "--cache-dir", str(tmp_path)]) == 0  # intact, if not for this host
+    lines = dict(line.split("  ", 1) for line in capsys.readouterr().out.strip().splitlines())
+    assert lines[local.key].startswith("ok  isa ") and lines[local.key].endswith("(runs on this host)")
+    assert lines[foreign.key].endswith("(NOT on this host: it lacks amx_tile_from_elsewhere)")
+    assert main(["cache", "show", foreign.key, "--cache-dir", str(tmp_path), "--json"]) == 0
+    isa = json.loads(capsys.readouterr().out)["isa"]
+    assert isa["missing_here"] == ["amx_tile_from_elsewhere"] and set(here) < set(isa["features"])
+    neuron = cache.get_or_compile(make_key_inputs(target="neuron"), compile_fn)
+    assert main(["cache", "show", neuron.key, "--cache-dir", str(tmp_path)]) == 0
+    assert "isa " not in capsys.readouterr().out  # a Neuron artifact names no CPU features

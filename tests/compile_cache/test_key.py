@@ -17,6 +17,7 @@ from compile_cache.key import (
     architecture_config,
     fingerprint_weights,
     halved_context_buckets,
+    missing_isa_features,
     token_generation_buckets,
 )
 
@@ -38,6 +39,7 @@ CHANGES = {
     "compiler_flags": ("-O2",),
     "weights_fingerprint": "content:abc",
     "library_args": {"neuron_config": {"fused_qkv": True}},
+    "isa_features": ("avx2", "fma3"),
     "format_version": ARTIFACT_FORMAT_VERSION + 1,
 }
 
@@ -187,3 +189,30 @@ def test_weights_fingerprint_errors(tmp_path: Path) -> None:
         fingerprint_weights(tmp_path)
     with pytest.raises(ValueError, match="mode"):
         fingerprint_weights(tmp_path, mode="fast")
+
+
+# Two hosts' features as torch's cpuinfo names them: an AMD Zen 5 and an Intel Sapphire Rapids.
+ZEN5 = ("avx2", "avx512_bf16", "avx512_f", "avx512_vnni", "fma3")
+AMX = ("amx_bf16", "amx_int8", "amx_tile")
+SPR = (*AMX, "avx2", "avx512_bf16", "avx512_f", "avx512_fp16", "avx512_vnni", "fma3")
+
+
+def test_isa_features_tell_hosts_apart_and_are_normalised(make_key_inputs) -> None:
+    zen5, spr = make_key_inputs(isa_features=ZEN5), make_key_inputs(isa_features=SPR)
+    assert zen5.key() != spr.key()  # ATen calls both AVX512: the features do not
+    assert make_key_inputs(isa_features=("FMA3", *reversed(ZEN5))).key() == zen5.key()
+    assert zen5.describe()["isa_features"] == sorted(ZEN5)
+    assert CacheKeyInputs.from_description(spr.describe()) == spr
+    # Neuron artifacts name none: their keys stay what they were before the field existed.
+    assert "isa_features" not in make_key_inputs().describe()
+    with pytest.raises(ValueError, match="isa_features"):
+        make_key_inputs(isa_features="avx2 fma3")
+    with pytest.raises(ValueError, match="isa_features"):
+        make_key_inputs(isa_features=("avx2", " "))
+
+
+def test_missing_isa_features_names_what_a_host_lacks(make_key_inputs) -> None:
+    spr = make_key_inputs(isa_features=SPR)
+    assert missing_isa_features(spr, ZEN5) == ("amx_bf16", "amx_int8", "amx_tile", "avx512_fp16")
+    assert missing_isa_features(make_key_inputs(isa_features=ZEN5), SPR) == ()
+    assert missing_isa_features(make_key_inputs(), ()) == ()  # an artifact naming none runs anywhere

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from compile_cache.errors import CacheError, CacheMissError, CorruptEntryError, EntryNotFoundError
+from compile_cache.key import missing_isa_features
 from compile_cache.lock import LockTimeoutError, key_lock
 from compile_cache.manifest import MANIFEST_NAME, Manifest, ManifestError
 from compile_cache.store import CompileCache, default_cache_root
@@ -247,3 +248,21 @@ def test_entry_appears_only_when_complete(tmp_path: Path, inputs) -> None:
 
     entry = cache.get_or_compile(inputs, compile_fn)
     assert entry.path == final and not seen[0].exists() and (final / MANIFEST_NAME).is_file()
+
+
+def test_an_entry_built_with_more_features_is_a_miss_on_a_host_with_fewer(
+    tmp_path: Path, make_key_inputs, make_compile
+) -> None:
+    """A package shared through the store by an AMX host is never handed to a host without AMX: the
+    features are in the key, so the other host misses and compiles its own."""
+    amx_host = ("amx_bf16", "amx_tile", "avx2", "avx512_bf16", "avx512_f", "fma3")
+    zen_host = ("avx2", "avx512_bf16", "avx512_f", "fma3")
+    cache = CompileCache(tmp_path)
+    amx_build = cache.get_or_compile(make_key_inputs(isa_features=amx_host), make_compile())
+    assert cache.lookup(make_key_inputs(isa_features=zen_host)) is None
+    zen_compile = make_compile()
+    zen_build = cache.get_or_compile(make_key_inputs(isa_features=zen_host), zen_compile)
+    assert zen_compile.calls == 1 and zen_build.key != amx_build.key
+    assert zen_build.inputs.isa_features == zen_host
+    assert missing_isa_features(amx_build.inputs, zen_host) == ("amx_bf16", "amx_tile")
+    assert cache.lookup(make_key_inputs(isa_features=amx_host)) == amx_build  # still the AMX host's

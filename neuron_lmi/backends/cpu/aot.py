@@ -44,7 +44,7 @@ from neuron_lmi.backends.cpu.graphs import (
     constant_tensors,
     decode_attention_form,
 )
-from neuron_lmi.models import native
+from neuron_lmi.models import host_isa, native
 from neuron_lmi.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,7 @@ def cpu_key_inputs(model: LlamaForCausalLM, weights_path: str | Path, plan: CpuP
         batch_size=plan.n_rows,
         compiler_flags=flags,
         weights_fingerprint=fingerprint_weights(weights_path, mode="headers"),
+        isa_features=host_isa.isa_features(),
     )
 
 
@@ -159,18 +160,20 @@ def _example_inputs(model: LlamaForCausalLM, plan: CpuPlan, kind: str, size: int
 
 
 def cpu_capability() -> str:
-    """The instruction set the packages' kernels may use (AVX512, AVX2, ...), from ATen: cheap, no
-    compiler probe. Part of the key, so a store shared between hosts never hands an AVX-512 build to
-    a CPU without it."""
+    """ATen's instruction-set level (AVX512, AVX2, ...; ``ATEN_CPU_CAPABILITY`` lowers it), which
+    also picks Inductor's vector ISA. Part of the key beside ``host_isa.isa_features``, the exact
+    features ``-march=native`` let a package use."""
     return str(torch.backends.cpu.get_cpu_capability())
 
 
 def load_package(path: Path) -> Any:
     """``aoti_load_package`` minus its device-information probe, which compiles and dlopens test
     programs in subprocesses (seconds per process) only to log a warning on mismatch; the cache key
-    already pins the torch version and ``cpu_capability``. Falls back to the public loader when the
-    internal class differs in this torch. The ``neuron_lmi::`` ops' kernels are registered first: a
-    package calls them through the dispatcher."""
+    already pins the torch version and the host's instruction-set features. Falls back to the public
+    loader when the internal class differs in this torch. AMX's tile state is requested first (a
+    package Inductor built with AMX micro-GEMMs dies with SIGILL in a process that never asked), and
+    the ``neuron_lmi::`` ops' kernels are registered: a package calls them through the dispatcher."""
+    host_isa.request_amx()
     native.kernels()
     try:
         from torch.export.pt2_archive._package import AOTICompiledModel

@@ -24,10 +24,11 @@ lowers to extern calls) and compiles everything around them.
 
 Frozen weights make the package depend on the weights' *values*: the cache key holds a content
 fingerprint of the weight files, the model's architecture, dtype, quantization, rows, positions,
-the torch version and the CPU's instruction set. A compile takes minutes; the entry is stored in the
-compile cache, and later starts load it. Steps outside the package's range (the last position of a full-length
-row; more tokens than ``token_limit``; where the op has no chunk path, chunks whose attention
-``CHUNK_PAIR_LIMIT`` leaves to the extend graph's SDPA) run the other way.
+the torch version and the CPU's instruction-set features (``host_isa``). A compile takes minutes;
+the entry is stored in the compile cache, and later starts load it. Steps outside the package's
+range (the last position of a full-length row; more tokens than ``token_limit``; where the op has
+no chunk path, chunks whose attention ``CHUNK_PAIR_LIMIT`` leaves to the extend graph's SDPA) run
+the other way.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ from compile_cache.store import Entry
 from neuron_lmi.backends.cpu.aot import DTYPE_NAMES, architecture_description, cpu_capability, load_package
 from neuron_lmi.backends.cpu.graphs import StepGraph, avx512_host, check_compilable, decode_attention_form
 from neuron_lmi.engine.scheduler import DEFAULT_STEP_TOKENS
-from neuron_lmi.models import native, packed_linear
+from neuron_lmi.models import host_isa, native, packed_linear
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.models.native import host_cpu_flags
+from neuron_lmi.models.packed import packing_pays
 from neuron_lmi.models.quant import (
     Int4Linear,
     Int8Linear,
@@ -143,8 +145,9 @@ def packed_gemm_library(model: LlamaForCausalLM, graph: str) -> str | None:
     fp32: the decode calls the host's (``packed_linear.host_library``). The extend calls oneDNN's where
     that is the host's; on Intel it keeps ATen's GEMM, which MKL's packs did not beat there.
 
-    bf16: oneDNN's where it is the host's library; on Intel, Inductor's AMX templates and ATen's GEMM,
-    autotuned. (Measurements: docs/measurements.md.)
+    bf16: oneDNN's where it is the host's library and runs bf16 (``packed.packing_pays``: AVX-512
+    BW/VL/DQ or AVX-NE-CONVERT); on Intel, and on CPUs with AVX2 only, Inductor's templates and
+    ATen's GEMM, autotuned. (Measurements: docs/measurements.md.)
 
     A weight goes through the op where ``quant.linear`` routes it: a 2-D tensor of the model's dtype
     (not an expert stack, not a quantized weight)."""
@@ -154,8 +157,8 @@ def packed_gemm_library(model: LlamaForCausalLM, graph: str) -> str | None:
     library = packed_linear.host_library()
     if model.dtype == torch.float32 and (graph == CompiledDecode.graph or library == "onednn"):
         return library
-    if model.dtype == torch.bfloat16 and library == "onednn":
-        return library
+    if model.dtype == torch.bfloat16 and library == "onednn" and packing_pays(torch.bfloat16):
+        return library  # not on a CPU without oneDNN's bf16 (AVX2 only): its reorder refuses bf16
     return None
 
 
@@ -226,6 +229,7 @@ def decode_key_inputs(
         batch_size=n_rows,
         compiler_flags=flags,
         weights_fingerprint=fingerprint_weights(weights_path, mode="content"),
+        isa_features=host_isa.isa_features(),
     )
 
 
@@ -382,7 +386,13 @@ def open_frozen_entry(
         kind.compile_package(model, n_rows, n_positions, out)
 
     entry = cache.get_or_compile(inputs, compile_fn, no_compile=no_compile)
-    package = kind(entry.path / kind.package_file, kind.size_limit(model, n_rows, n_positions), n_positions)
+    limit = kind.size_limit(model, n_rows, n_positions)
+    try:
+        package = kind(entry.path / kind.package_file, limit, n_positions)
+    except Exception as exc:  # a package this torch cannot open: the engine runs eagerly, never crashes
+        log.error("compiled %s off: the package of key=%s at %s failed to load (%s); running it eagerly",
+                  kind.graph, entry.key, entry.path, exc)  # fmt: skip
+        return None
     if isinstance(package, CompiledDecode):
         package.pair_limit = chunk_pair_limit(model)
     log.info(
