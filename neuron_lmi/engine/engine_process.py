@@ -13,7 +13,8 @@ empty: the API process fills it in), the requests the core refused, and a stats 
 not mix, and unlike ``multiprocessing``'s spawn it never re-imports the caller's ``__main__``). It
 builds its ``EngineCore`` with a picklable factory (``backends.cpu.engine.cpu_engine_core`` for the
 CPU backend), ignores SIGINT/SIGTERM (the API process decides when it stops: a drain must not lose
-its engine to a signal sent to the whole process group) and exits when the socket closes.
+its engine to a signal sent to the whole process group) and exits when the socket closes, or when
+the API process is gone however it ended (``exit_with_parent``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ import dataclasses
 import gc
 import logging
 import operator
+import os
 import pickle
 import signal
+import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -81,20 +85,41 @@ class EngineInfo:
     tokenizer: Any
 
 
-# Run by ``python -c BOOTSTRAP FD`` in a fresh interpreter: take the API process's ``sys.path``
-# first, so that the factory unpickles against the same code, then serve on the socket FD.
+# Run by ``python -c BOOTSTRAP FD PID`` in a fresh interpreter (PID: the API process's): take the
+# API process's ``sys.path`` first, so that the factory unpickles against the same code, then serve
+# on the socket FD.
 BOOTSTRAP = """
 import sys
 from multiprocessing.connection import Connection
 conn = Connection(int(sys.argv[1]))
 sys.path[:] = conn.recv()
 from neuron_lmi.engine.engine_process import engine_main
-engine_main(conn)
+engine_main(conn, int(sys.argv[2]))
 """
+PARENT_POLL_S = 0.5
 
 
-def engine_main(conn: Connection) -> None:
-    """The engine process's entry point: receive (factory, log level, log format), build, serve."""
+def exit_with_parent(parent_pid: int) -> None:
+    """End this process as soon as ``parent_pid`` is no longer its parent, whatever ended it
+    (SIGKILL, a crash) and whatever this process is doing: loading or compiling a model reads no
+    socket for minutes, and an orphaned engine holds its memory (on Neuron, its NeuronCores) from
+    the next start. A thread polls: ``PR_SET_PDEATHSIG`` would fire when the *thread* that spawned
+    this process ends, which need not be the API process's end."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        log.warning("the API process %d is gone; the engine process %d exits", parent_pid, os.getpid())
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="neuron-lmi-parent-watch", daemon=True).start()
+
+
+def engine_main(conn: Connection, parent_pid: int) -> None:
+    """The engine process's entry point: receive (factory, log level, log format), build, serve;
+    end with the API process ``parent_pid`` (``exit_with_parent``)."""
+    exit_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
@@ -166,8 +191,8 @@ class EngineLoop:
             raise  # the API process went away
         except BaseException as exc:  # the loop dying must be loud: the API side turns unhealthy
             log.exception("engine loop died")
-            for request_id in list(self.core.requests):
-                self.core.abort(request_id)
+            # What the core finished before it died goes out; the requests still running are the
+            # API side's to fail (with the death's reason), as when this process is killed.
             self._send()
             self.conn.send((DEAD, f"{type(exc).__name__}: {exc}"))
 

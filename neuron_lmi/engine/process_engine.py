@@ -9,8 +9,10 @@ the event loop never waits on the engine and the engine never waits on HTTP.
 
 A request whose text hits a stop sequence ends here at once; the engine is told to abort it (its
 row is freed at the start of the engine's next step). If the engine process dies, every running
-request ends with an ``ABORT`` event, ``stats().alive`` turns false (``/ping`` answers 503) and the
-``on_death`` callbacks run.
+request fails with ``EngineDeadError`` (a 503 with ``Retry-After``), ``stats().alive`` turns false
+(``/ping`` answers 503), and the reader starts a new engine process from the same factory, up to
+``max_restarts`` times in the engine's life (0 with ``SERVING_FAIL_FAST``: the container is replaced
+instead). Past that the ``on_death`` callbacks run and the engine stays dead.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ log = logging.getLogger(__name__)
 
 STOP_JOIN_S = 5.0
 MALLOC_HEAP_BYTES = 256 * 2**20
+DEFAULT_MAX_RESTARTS = 3  # a crash that repeats is not one a restart fixes
+RESTART_RETRY_AFTER_S = 10.0  # a restart loads the model again, from the compile cache
 
 
 @dataclass(slots=True)
@@ -73,10 +77,17 @@ class ProcessEngine:
     backend_name = "cpu"
 
     def __init__(
-        self, factory: wire.CoreFactory, model_name: str, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE
+        self,
+        factory: wire.CoreFactory,
+        model_name: str,
+        max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+        max_restarts: int = DEFAULT_MAX_RESTARTS,
     ) -> None:
         self.model_name = model_name
         self.max_queue_size = max_queue_size
+        self.max_restarts = max_restarts
+        self.restarts = 0  # engine processes started after the first
+        self._factory = factory
         self._send_lock = threading.Lock()
         self._live: dict[str, _Live] = {}  # single dict operations only: atomic under the GIL
         self._sent = 0  # ADD messages sent
@@ -139,28 +150,63 @@ class ProcessEngine:
 
     # -- the reader thread --------------------------------------------------------------------
     def _read(self) -> None:
-        reason = "the engine process exited"
+        while True:
+            reason = self._read_until_death()
+            if self._stopping:
+                self._alive = False
+                self._end_all()
+                return
+            _wait(self._proc, 1.0)
+            code = self._proc.returncode
+            reason += "" if code is None else f" (exit code {code})"
+            restarting = self.restarts < self.max_restarts
+            log.error("%s; /ping now answers 503%s", reason, ", restarting it" if restarting else "")
+            # The failure first: a stream that finds the engine dead raises it (with Retry-After).
+            self.failure = EngineDeadError(reason, RESTART_RETRY_AFTER_S if restarting else None)
+            self._alive = False
+            self._end_all(self.failure)
+            if not (restarting and self._restart()):
+                for callback in self.on_death:
+                    callback(self.failure)
+                return
+
+    def _read_until_death(self) -> str:
+        """Apply the engine's messages until it dies (or stops); why it ended."""
         try:
             while True:
                 message = self._conn.recv()
                 if message[0] == wire.OUT:
                     self._on_output(*message[1:])
                 elif message[0] == wire.DEAD:
-                    reason = f"the engine loop died: {message[1]}"
-                    break
+                    return f"the engine loop died: {message[1]}"
         except (EOFError, OSError):
             pass
         except BaseException:
             log.exception("the engine reader failed")
-        self._alive = False
-        if not self._stopping:
-            _wait(self._proc, 1.0)
-            code = self._proc.returncode
-            log.error("%s%s; /ping now answers 503", reason, "" if code is None else f" (exit code {code})")
-            self.failure = EngineDeadError(reason)
-            for callback in self.on_death:
-                callback(self.failure)
-        self._end_all()  # after the death is known: a stream that ends here finds the engine dead
+        return "the engine process exited"
+
+    def _restart(self) -> bool:
+        """Start a new engine process in the dead one's place (on the reader thread: requests meanwhile
+        get 503 with ``Retry-After``); False once ``max_restarts`` starts have failed or been used."""
+        while self.restarts < self.max_restarts and not self._stopping:
+            self.restarts += 1
+            self._finalizer()  # the dead process: reaped, its socket closed
+            try:
+                proc, conn, _info = _spawn(self._factory)
+            except Exception as exc:
+                log.error("engine restart %d of %d failed: %s", self.restarts, self.max_restarts, exc)
+                continue
+            self._proc, self._conn = proc, conn
+            self._finalizer = weakref.finalize(self, _shut_down, proc, conn)
+            self._sent = self._received = 0
+            self._snapshot = (0, 0, 0, 0, 0, {})
+            self.failure = None
+            self._alive = True
+            log.warning(
+                "engine process restarted (%d of %d); /ping answers 200", self.restarts, self.max_restarts
+            )
+            return True
+        return False
 
     def _on_output(
         self, events: list[tuple[Any, ...]], rejected: list[tuple[str, str, str | None]],
@@ -199,13 +245,14 @@ class ProcessEngine:
         for request_id in stopped:  # harmless when the engine ended it in the same step
             self._send((wire.ABORT, request_id))
 
-    def _end_all(self) -> None:
-        """Close every stream still open with an ABORT event (the engine is gone)."""
+    def _end_all(self, error: EngineDeadError | None = None) -> None:
+        """End every stream still open: with ``error`` (the engine died under it), else with an
+        ABORT event (the engine stopped)."""
         batch: list[tuple[Mailbox, TokenEvent | BaseException]] = []
         for request_id in list(self._live):
             live = self._live.pop(request_id, None)
             if live is not None:
-                batch.append((live.mailbox, _abort_event(request_id, live)))
+                batch.append((live.mailbox, error or _abort_event(request_id, live)))
         post(batch)
 
     # -- requests -----------------------------------------------------------------------------
@@ -223,7 +270,17 @@ class ProcessEngine:
         live = _Live(mailbox, text, len(ids))
         return self._stream(request_id, ids, params, live)
 
+    def _dead_error(self) -> EngineDeadError | None:
+        """A fresh copy of why the engine is down (with a restart's ``Retry-After``), or None."""
+        failure = self.failure
+        return (
+            None if self._alive or failure is None else EngineDeadError(str(failure), failure.retry_after_s)
+        )
+
     def _check_accepting(self) -> None:
+        error = self._dead_error()
+        if error is not None:  # dead, or restarting: say when to come back
+            raise error
         check_accepting(self._alive, self._stopping)
         self.admission.check_capacity(Capacity.of_in_flight(len(self._live), self.max_batch_size))
 
@@ -241,7 +298,7 @@ class ProcessEngine:
             if self._live.pop(request_id, None) is not None:
                 self._send((wire.ABORT, request_id))
 
-        async for event in read_stream(live.mailbox, abandon, lambda: self._alive):
+        async for event in read_stream(live.mailbox, abandon, lambda: self._alive, self._dead_error):
             yield event
 
     async def abort(self, request_id: str) -> None:
@@ -291,7 +348,7 @@ def _spawn(factory: wire.CoreFactory) -> tuple[subprocess.Popen[bytes], Connecti
     ours, theirs = socket.socketpair()
     with ours, theirs:
         proc = subprocess.Popen(
-            [sys.executable, "-c", wire.BOOTSTRAP, str(theirs.fileno())],
+            [sys.executable, "-c", wire.BOOTSTRAP, str(theirs.fileno()), str(os.getpid())],
             pass_fds=(theirs.fileno(),),
             env=engine_environment(os.environ),
         )

@@ -92,15 +92,20 @@ def post(batch: Iterable[tuple[Mailbox, TokenEvent | BaseException]]) -> None:
 
 
 async def read_stream(
-    mailbox: Mailbox, on_abandon: Callable[[], None], alive: Callable[[], bool]
+    mailbox: Mailbox,
+    on_abandon: Callable[[], None],
+    alive: Callable[[], bool],
+    dead: Callable[[], EngineDeadError | None] = lambda: None,
 ) -> AsyncIterator[TokenEvent]:
     """Yield a request's events up to the one carrying ``finish_reason``. Closing the iterator
-    before that calls ``on_abandon`` (which aborts the request and frees its row)."""
+    before that calls ``on_abandon`` (which aborts the request and frees its row). Where the engine
+    is no longer ``alive`` the stream raises ``dead()`` (the engine's own account: a restart's
+    ``Retry-After``), else a plain ``EngineDeadError``."""
     finished = False
     try:
         while True:
             if not mailbox.events and not mailbox.closed and not alive():
-                raise EngineDeadError("the engine loop stopped while the request was running")
+                raise dead() or EngineDeadError("the engine loop stopped while the request was running")
             event = await mailbox.get()
             finished = event.finish_reason is not None
             yield event

@@ -41,7 +41,12 @@ class EngineOverloadedError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can be served until the process restarts."""
+    """The engine loop has stopped; no request can be served until it restarts. ``retry_after_s``:
+    while a restart is under way, when to try again (None: no restart is coming)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 # vLLM sets no limit; OpenAI allows 4. Matching costs a substring search per stop per token.

@@ -54,7 +54,8 @@ _MODEL_NAME = re.compile(r"^[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+$")
 class ApiError(Exception):
     """A request that cannot be served; ``field`` names the offending parameter when there is one.
 
-    Invariant: ``status`` is a 4xx/5xx HTTP status; ``retry_after_s`` is set only for overload.
+    Invariant: ``status`` is a 4xx/5xx HTTP status; ``retry_after_s`` is set only for overload and
+    for an engine restarting.
     """
 
     def __init__(
@@ -118,7 +119,7 @@ def from_engine_error(exc: Exception, family: Family, path: str = "") -> ApiErro
         status = 429 if family == "openai" else 503
         return ApiError(status, str(exc) or "server overloaded", None, "overloaded", exc.retry_after_s)
     if isinstance(exc, EngineDeadError):
-        return ApiError(503, f"engine unavailable: {exc}", None, "unavailable")
+        return ApiError(503, f"engine unavailable: {exc}", None, "unavailable", exc.retry_after_s)
     return ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", None, "generation")
 
 

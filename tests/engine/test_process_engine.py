@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from neuron_lmi.backends.cpu.engine import CpuEngineOptions, cpu_process_engine
 from neuron_lmi.backends.cpu.llm import LLM
-from neuron_lmi.engine.process_engine import ProcessEngine
+from neuron_lmi.engine.process_engine import RESTART_RETRY_AFTER_S, ProcessEngine
 from neuron_lmi.engine.types import (
     EngineDeadError,
     FinishReason,
@@ -95,7 +96,7 @@ async def test_host_time_per_step_is_reported(engine: ProcessEngine) -> None:
 
 async def test_a_dead_engine_process_ends_every_stream_and_is_reported(tiny_llama_dir: Path) -> None:
     engine = cpu_process_engine(
-        CpuEngineOptions(model=str(tiny_llama_dir), max_rolling_batch_size=2, n_positions=256)
+        CpuEngineOptions(model=str(tiny_llama_dir), max_rolling_batch_size=2, n_positions=256, max_restarts=0)
     )
     deaths: list[BaseException] = []
     engine.on_death.append(deaths.append)
@@ -104,8 +105,10 @@ async def test_a_dead_engine_process_ends_every_stream_and_is_reported(tiny_llam
     first = await anext(stream)
     assert first.finish_reason is None
     engine._proc.kill()  # as the OOM killer would
-    rest = [e async for e in stream]
-    assert rest and rest[-1].finish_reason is FinishReason.ABORT
+    with pytest.raises(EngineDeadError) as died:
+        async for _ in stream:
+            pass
+    assert died.value.retry_after_s is None  # no restart is coming
     assert not engine.stats().alive
     assert deaths and isinstance(deaths[0], EngineDeadError)
     with pytest.raises(EngineDeadError):
@@ -113,8 +116,44 @@ async def test_a_dead_engine_process_ends_every_stream_and_is_reported(tiny_llam
     await engine.stop(grace_s=0.1)
 
 
+async def _alive_within(engine: ProcessEngine, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not engine.stats().alive and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return engine.stats().alive
+
+
+async def test_a_dead_engine_process_is_restarted_a_bounded_number_of_times(tiny_llama_dir: Path) -> None:
+    engine = cpu_process_engine(
+        CpuEngineOptions(model=str(tiny_llama_dir), max_rolling_batch_size=2, n_positions=256, max_restarts=1)
+    )
+    deaths: list[BaseException] = []
+    engine.on_death.append(deaths.append)
+    await engine.start()
+    prompt, params = random_prompts([8], seed=3)[0], SamplingParams(max_new_tokens=200)
+    stream = engine.generate(prompt, params)
+    await anext(stream)
+    first = engine._proc
+    first.kill()
+    with pytest.raises(EngineDeadError) as died:
+        async for _ in stream:
+            pass
+    assert died.value.retry_after_s == RESTART_RETRY_AFTER_S  # the client is told when to retry
+    assert await _alive_within(engine, 120) and engine._proc is not first and engine.restarts == 1
+    done = [e async for e in engine.generate(prompt, SamplingParams(max_new_tokens=3, temperature=0.0))]
+    assert [e.finish_reason for e in done if e.finish_reason] == [FinishReason.LENGTH] and not deaths
+    assert engine.stats().rows_used == 0  # the new process's rows, none leaked
+    engine._proc.kill()  # the restart is spent: this death is final
+    deadline = time.monotonic() + 30
+    while not deaths and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert deaths and not engine.stats().alive
+    with pytest.raises(EngineDeadError) as refused:
+        engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
+    assert refused.value.retry_after_s is None
+    await engine.stop(grace_s=0.1)
+
+
 def test_a_model_that_cannot_load_fails_the_constructor(tmp_path: Path) -> None:
     with pytest.raises((FileNotFoundError, ValueError, OSError)):
-        cpu_process_engine(
-            CpuEngineOptions(model=str(tmp_path / "no-such-model"), max_rolling_batch_size=1)
-        )
+        cpu_process_engine(CpuEngineOptions(model=str(tmp_path / "no-such-model"), max_rolling_batch_size=1))

@@ -30,6 +30,7 @@ from neuron_lmi.config.options import (
     default_n_positions_source,
 )
 from neuron_lmi.engine.core import EngineCore
+from neuron_lmi.engine.process_engine import DEFAULT_MAX_RESTARTS, ProcessEngine
 from neuron_lmi.engine.scheduler import JoinPolicy
 from neuron_lmi.models.native import build_in_background, host_cpu_flags
 
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
     from neuron_lmi.backends.cpu.runner import CpuRunner
     from neuron_lmi.config import ResolvedConfig
     from neuron_lmi.engine.async_engine import AsyncEngine
-    from neuron_lmi.engine.process_engine import ProcessEngine
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,9 @@ class CpuEngineOptions:
     # server turns them on unless option.enforce_eager; off here so the library and the parity
     # tests run eager.
     compile_graphs: bool = False
+    # Engine processes started after one dies (ProcessEngine); 0 with SERVING_FAIL_FAST, where the
+    # server exits instead and SageMaker or Kubernetes replaces it.
+    max_restarts: int = DEFAULT_MAX_RESTARTS
 
     @classmethod
     def from_resolved(
@@ -118,6 +121,7 @@ class CpuEngineOptions:
             context_length_estimate=cfg.batching.context_length_estimate,
             quantize=cfg.neuron.quantize,
             compile_graphs=not cfg.model.enforce_eager,
+            max_restarts=0 if cfg.server.fail_fast else DEFAULT_MAX_RESTARTS,
         )
 
     def dtype_name(self) -> str:
@@ -198,10 +202,10 @@ def cpu_engine_core(options: CpuEngineOptions, policy: JoinPolicy | None = None)
 
 def cpu_process_engine(options: CpuEngineOptions, policy: JoinPolicy | None = None) -> ProcessEngine:
     """The CPU engine in its own process (what ``serve`` runs), built there from its options whole."""
-    from neuron_lmi.engine.process_engine import ProcessEngine
-
     factory = functools.partial(cpu_engine_core, options, policy)
-    return ProcessEngine(factory, model_name=options.model, max_queue_size=options.max_queue_size)
+    return ProcessEngine(
+        factory, options.model, max_queue_size=options.max_queue_size, max_restarts=options.max_restarts
+    )
 
 
 def cpu_thread_engine(options: CpuEngineOptions, policy: JoinPolicy | None = None) -> AsyncEngine:
