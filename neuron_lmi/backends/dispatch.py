@@ -108,13 +108,15 @@ class BackendChoice:
         return f"backend {self.name}{lib}: {self.reason}"
 
 
-def _neuron_choice(probe: BackendProbe, model_loader: str | None, why: str) -> BackendChoice:
+def _neuron_choice(
+    probe: BackendProbe, model_loader: str | None, why: str, allow_unsupported_platform: bool = False
+) -> BackendChoice:
     """A Neuron host: the library named by ``option.model_loader``, else NxD Inference, else tnx."""
     found = probe.describe()
     if model_loader == "vllm":
         return _vllm_neuron_choice(probe, f"{why}, option.model_loader=vllm")
     if model_loader == "nxdi" or (model_loader is None and probe.nxdi_version):
-        _check_nxdi_release(probe)
+        _check_nxdi_release(probe, allow_unsupported_platform)
         if not probe.nxdi_version:
             raise BackendUnavailableError(
                 f"backend 'neuron-nxdi' (option.model_loader=nxdi) cannot run here: {NXDI.distribution} "
@@ -143,16 +145,20 @@ def _neuron_choice(probe: BackendProbe, model_loader: str | None, why: str) -> B
     )
 
 
-def _check_nxdi_release(probe: BackendProbe) -> None:
+def _check_nxdi_release(probe: BackendProbe, allow_unsupported_platform: bool) -> None:
+    """The SDK matrix; where ``option.allow_unsupported_nxdi_on_inf2_trn1`` lets 0.9+ through on
+    inf2/trn1, the plan logs the warning at start-up."""
     from neuron_lmi.backends.nxdi.support import UnsupportedReleaseError, check_release
 
     try:
-        check_release(probe.nxdi_version, probe.neuron_platform)
+        check_release(probe.nxdi_version, probe.neuron_platform, None, allow_unsupported_platform)
     except UnsupportedReleaseError as exc:
         raise BackendUnavailableError(f"backend 'neuron-nxdi' cannot run here: {exc}") from exc
 
 
-def _nxdi_on_cpu_choice(probe: BackendProbe, why: str) -> BackendChoice:
+def _nxdi_on_cpu_choice(
+    probe: BackendProbe, why: str, allow_unsupported_platform: bool = False
+) -> BackendChoice:
     """NxD Inference's modeling code on the CPU (``NeuronConfig(on_cpu=True)``, ``to_cpu()``)."""
     if not probe.nxdi_version:
         raise BackendUnavailableError(
@@ -160,7 +166,7 @@ def _nxdi_on_cpu_choice(probe: BackendProbe, why: str) -> BackendChoice:
             f"and its Neuron packages installed (pip install --extra-index-url {NEURON_PIP_REPOSITORY} "
             f"{NXDI.distribution}); it does not import; host: {probe.describe()}"
         )
-    _check_nxdi_release(probe)
+    _check_nxdi_release(probe, allow_unsupported_platform)
     reason = (
         f"{why}, override_neuron_config.on_cpu=true: NxD Inference's modeling code on the CPU, no "
         f"Neuron devices used (a check of the configuration, not a server for traffic); host: "
@@ -196,11 +202,16 @@ def _vllm_missing(probe: BackendProbe) -> list[str]:
 
 
 def choose_backend(
-    requested: str, probe: BackendProbe, model_loader: str | None = None, nxdi_on_cpu: bool = False
+    requested: str,
+    probe: BackendProbe,
+    model_loader: str | None = None,
+    nxdi_on_cpu: bool = False,
+    allow_unsupported_platform: bool = False,
 ) -> BackendChoice:
     """The backend for ``requested`` (auto|cpu|neuron|vllm) and LMI's ``option.model_loader``
     (nxdi|tnx|vllm|None) on a host described by ``probe``; ``nxdi_on_cpu`` is
-    ``override_neuron_config.on_cpu``. Raises ``BackendUnavailableError``."""
+    ``override_neuron_config.on_cpu``, ``allow_unsupported_platform``
+    ``option.allow_unsupported_nxdi_on_inf2_trn1``. Raises ``BackendUnavailableError``."""
     req = (requested or "auto").strip().lower()
     if req not in REQUESTS:
         raise ValueError(f"backend must be one of {', '.join(REQUESTS)}, got {requested!r}")
@@ -226,15 +237,15 @@ def choose_backend(
     on_cpu = nxdi_on_cpu and not probe.neuron_devices_present and loader in (None, "nxdi")
     if on_cpu and (req == "neuron" or (req == "auto" and loader == "nxdi")):
         why = "forced neuron" if req == "neuron" else "option.model_loader=nxdi"
-        return _nxdi_on_cpu_choice(probe, f"{why} without Neuron devices")
+        return _nxdi_on_cpu_choice(probe, f"{why} without Neuron devices", allow_unsupported_platform)
     if req == "neuron":
         if not probe.neuron_devices_present:
             raise BackendUnavailableError(
                 f"backend 'neuron' cannot run here: no Neuron devices (/dev/neuron*); host: {found}"
             )
-        return _neuron_choice(probe, loader, "forced neuron")
+        return _neuron_choice(probe, loader, "forced neuron", allow_unsupported_platform)
     if probe.neuron_devices_present:
-        return _neuron_choice(probe, loader, "auto: Neuron devices found")
+        return _neuron_choice(probe, loader, "auto: Neuron devices found", allow_unsupported_platform)
     note = f" (option.model_loader={loader} ignored: no Neuron devices)" if loader else ""
     if probe.cuda_available and probe.vllm_importable:
         return BackendChoice("vllm", f"auto: CUDA GPUs and vLLM found{note}; host: {found}", "vllm")

@@ -218,10 +218,12 @@ def probe_host(
     nvidia_glob: str = "/dev/nvidia[0-9]*",
     sysfs_root: str = "/sys/devices/virtual/neuron_device",
     nxdi_on_cpu: bool = False,
+    neuron_platform: str | None = None,
 ) -> BackendProbe:
     """Look at this host. Neuron libraries are imported only where Neuron devices are present, or
-    NxD Inference alone where its CPU mode is asked for (``nxdi_on_cpu``)."""
-    from neuron_lmi.backends.nxdi.support import host_platform
+    NxD Inference alone where its CPU mode is asked for (``nxdi_on_cpu``). ``neuron_platform``
+    (``option.neuron_platform``) names the chip where NxD's override and the instance type do not."""
+    from neuron_lmi.backends.nxdi.support import target_platform
 
     env = os.environ if env is None else env
     req = (requested or "auto").strip().lower()
@@ -251,7 +253,12 @@ def probe_host(
         cuda_devices=gpus,
         vllm_importable=vllm_ok,
         vllm_platform=platform,
-        neuron_platform=_safe(lambda: host_platform(env), None, notes, "instance type"),
+        neuron_platform=_safe(
+            lambda: target_platform(neuron_platform, env, serving=not nxdi_on_cpu).name,
+            neuron_platform,
+            notes,
+            "platform",
+        ),
         notes=tuple(notes),
     )
     log.debug("host probe: %s", probe.describe())

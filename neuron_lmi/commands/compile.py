@@ -37,7 +37,8 @@ from typing import Any
 
 from compile_cache.key import GQA_STRATEGIES, TARGETS
 from neuron_lmi.commands.cache import human_size
-from neuron_lmi.config.options import DEFAULT_MODEL
+from neuron_lmi.commands.nxdi_target import PLATFORM_VAR, nxdi_target, nxdi_version
+from neuron_lmi.config.options import DEFAULT_MODEL, NEURON_PLATFORMS
 
 CLI_FIELDS = (
     "model_id",
@@ -50,6 +51,7 @@ CLI_FIELDS = (
     "compiled_graph_path",
     "model_loader",
     "quantize",
+    "neuron_platform",
 )
 NEURON_LOADERS = ("nxdi", "tnx")
 CPU_DTYPES = ("fp32", "bf16")
@@ -94,6 +96,19 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--dry-run", action="store_true", help="neuron target: print the arguments and key, compile nothing"
+    )
+    p.add_argument(
+        "--platform",
+        dest="neuron_platform",
+        choices=NEURON_PLATFORMS,
+        help="neuron target: the chip to compile for (option.neuron_platform; default "
+        "NEURON_PLATFORM_TARGET_OVERRIDE, else this host's instance type)",
+    )
+    p.add_argument(
+        "--nxdi-version",
+        type=nxdi_version,
+        help="neuron target: the NxD Inference release the arguments are for (default: the installed "
+        "one, else the platform's: 0.8 on inf2/trn1, 0.9 on trn2/trn3)",
     )
     p.add_argument("--compiler-version", help="neuronx-cc version for the key (default: the installed one)")
     p.add_argument("--no-compile", action="store_true", help="fail instead of compiling on a miss")
@@ -242,26 +257,33 @@ def _loader(args: argparse.Namespace, resolved: Any) -> str:
 
 def _nxdi(args: argparse.Namespace, resolved: Any) -> tuple[dict[str, Any], Any]:
     """(dry-run description, compile thunk) for NxD Inference."""
-    from neuron_lmi.backends.host import NXDI, installed_version
     from neuron_lmi.backends.nxdi.artifacts import compile_entry, nxdi_key_inputs
+    from neuron_lmi.backends.nxdi.defaults import apply_environment
     from neuron_lmi.backends.nxdi.plan import plan_nxdi
-    from neuron_lmi.backends.nxdi.support import host_platform
 
     model_dir, config = _neuron_model_config(resolved)
-    # The kwargs are for the installed release, else for the one the platform (or model) needs:
-    # the dry run says which (library_version, library_version_source).
+    # The kwargs are for the release given or installed, else for the one the platform (or model)
+    # needs: the dry run says which and why (library_version(_source), platform(_source)).
+    key = "--platform" if args.neuron_platform else resolved.keys.get("neuron_platform", "")
+    platform, version, version_source = nxdi_target(
+        resolved.config.neuron.neuron_platform, key, args.nxdi_version, os.environ, not args.dry_run
+    )
     plan = plan_nxdi(
         resolved.config,
         config,
         str(model_dir),
         _neuron_tp(resolved),
-        installed_version(NXDI.distribution),
-        host_platform(os.environ),
+        version,
+        platform,
+        version_source,
     )
-    inputs = nxdi_key_inputs(plan, config, args.compiler_version)
+    inputs = nxdi_key_inputs(plan, config, args.compiler_version, version)
     described = {**plan.describe(), "cache_key": inputs.key(), "cache_key_inputs": inputs.describe()}
 
     def work(cache: Any) -> dict[str, Any]:
+        apply_environment(plan.environment, os.environ)
+        if resolved.config.neuron.neuron_platform:  # NxD compiles for the chip its variable names
+            os.environ.setdefault(PLATFORM_VAR, resolved.config.neuron.neuron_platform)
         entry, app = compile_entry(plan, config, cache, args.no_compile, args.compiler_version)
         graphs = len(plan.context_buckets) + len(plan.token_buckets)
         return {"entry": entry, "compiled": app is not None, "graphs": graphs, "model": str(model_dir)}
@@ -383,6 +405,12 @@ def _print_dry_run(described: dict[str, Any], as_json: bool) -> None:
     else:
         for name in ("model_loader", "library", "application_class", "neuron_config_class", "cache_key"):
             print(f"{name:20} {described.get(name)}")
+        for name in ("platform", "library_version", "dtype"):
+            if name in described:
+                source = described.get(f"{name}_source") or described.get("library_version_source")
+                print(f"{name:20} {described[name] or '-'} ({source})")
+        for warning in described.get("warnings", []):
+            print(f"warning              {warning}")
         print("neuron_config_kwargs " + json.dumps(described["neuron_config_kwargs"], sort_keys=True))
         if described.get("ignored"):
             for key, reason in described["ignored"].items():

@@ -2,6 +2,7 @@
 
     neuron-lmi plan --model llama-2-70b --instance inf2.48xlarge --dtype fp16
     neuron-lmi plan --model ./my-model --json          # every instance, machine-readable
+    neuron-lmi plan --model mixtral-8x7b --platform trn1  # trn1 sizes, and the NxD Inference release
 
 Exit status: 0 with a plan; 1 when ``--instance`` is given and the model fits at no tp degree there;
 2 for unknown or inconsistent inputs (the message names the offending value).
@@ -11,9 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from typing import Any
 
-from neuron_lmi.parallel.catalog import GIB, INSTANCES, PRESETS, get_instance, load_model_spec
+from neuron_lmi.commands.nxdi_target import nxdi_target, nxdi_version
+from neuron_lmi.config.options import NEURON_PLATFORMS
+from neuron_lmi.parallel.catalog import GIB, INSTANCES, PRESETS, ModelSpec, get_instance, load_model_spec
 from neuron_lmi.parallel.planner import (
     DEFAULT_HEADROOM,
     DTYPE_BYTES,
@@ -56,6 +61,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="fraction of each core's HBM (16 GiB inf2/trn1, 24 GiB trn2 at LNC=2) kept free for NEFFs, "
         "activations and runtime (default 0.1)",
     )
+    parser.add_argument(
+        "--platform",
+        choices=NEURON_PLATFORMS,
+        help="compare that chip's instances only, and say which NxD Inference release serves it there",
+    )
+    parser.add_argument(
+        "--nxdi-version",
+        type=nxdi_version,
+        help="the NxD Inference release (default: the installed one, else the platform's)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.set_defaults(func=run)
     return parser
@@ -64,6 +79,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     try:
         model = load_model_spec(args.model)
+        target = _nxdi_release(args, model)
         kwargs = {
             "dtype": args.dtype,
             "n_positions": args.n_positions,
@@ -71,14 +87,17 @@ def run(args: argparse.Namespace) -> int:
             "headroom": args.headroom,
         }
         if args.instance:
-            plans: tuple[InstancePlan, ...] = (plan_instance(model, get_instance(args.instance), **kwargs),)
+            instance = get_instance(args.instance)
+            if args.platform and not instance.name.startswith(args.platform):
+                raise ValueError(f"--instance {instance.name} is not a {args.platform} instance (--platform)")
+            plans: tuple[InstancePlan, ...] = (plan_instance(model, instance, **kwargs),)
         else:
-            plans = plan_all_instances(model, **kwargs)
-    except ValueError as exc:
+            plans = _plans(model, args.platform, kwargs)
+    except (ValueError, RuntimeError) as exc:
         print(f"neuron-lmi plan: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        payload: object = (
+        payload: dict[str, Any] = (
             plans[0].to_dict()
             if args.instance
             else {
@@ -86,10 +105,47 @@ def run(args: argparse.Namespace) -> int:
                 "instances": [p.to_dict() for p in plans],
             }
         )
-        print(json.dumps(payload, indent=2))
+        print(json.dumps({**payload, **({"nxd_inference": target} if target else {})}, indent=2))
     else:
+        if target:
+            print(_format_target(target) + "\n")
         print(format_instance_plan(plans[0]) if args.instance else format_comparison(plans))
     return 1 if args.instance and plans[0].recommended_tp is None else 0
+
+
+def _nxdi_release(args: argparse.Namespace, model: ModelSpec) -> dict[str, Any] | None:
+    """With ``--platform`` or ``--nxdi-version``: the platform and the NxD Inference release, each with
+    where it came from; refused (``UnsupportedReleaseError``) where the SDK matrix rules it out."""
+    from neuron_lmi.backends.nxdi.support import check_release, library_release
+
+    if not (args.platform or args.nxdi_version):
+        return None
+    platform, version, source = nxdi_target(args.platform, "--platform", args.nxdi_version, os.environ)
+    model_type = "mixtral" if model.n_experts else "llama"  # what the SDK matrix asks of a model
+    version, source = library_release(version, platform, model_type, source)
+    check_release(version, platform.name, model_type)
+    return {
+        "platform": platform.name,
+        "platform_source": platform.source,
+        "library_version": version,
+        "library_version_source": source,
+    }
+
+
+def _format_target(target: dict[str, Any]) -> str:
+    return (
+        f"platform {target['platform'] or '-'} ({target['platform_source']}); NxD Inference "
+        f"{target['library_version']} ({target['library_version_source']})"
+    )
+
+
+def _plans(model: ModelSpec, platform: str | None, kwargs: dict[str, Any]) -> tuple[InstancePlan, ...]:
+    if platform is None:
+        return plan_all_instances(model, **kwargs)
+    instances = [spec for name, spec in INSTANCES.items() if name.split(".")[0] == platform]
+    if not instances:
+        raise ValueError(f"--platform {platform}: no {platform} instance is in the sizing catalog yet")
+    return tuple(plan_instance(model, spec, **kwargs) for spec in instances)  # type: ignore[arg-type]
 
 
 def format_instance_plan(plan: InstancePlan) -> str:

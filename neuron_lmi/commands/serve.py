@@ -9,8 +9,10 @@ serving.properties read from its ``model`` folder. There the server binds 0.0.0.
 drain is capped so that the process exits before SageMaker's SIGKILL 30 s later. Elsewhere it binds
 127.0.0.1 unless ``--host`` says otherwise. The port is ``--port``, else ``SAGEMAKER_BIND_TO_PORT``
 whenever it is set (as the SageMaker inference toolkit does), else the configured one (8080).
-SIGTERM drains in-flight requests within the grace period and exits 0; with
-``SERVING_FAIL_FAST=true`` a dead engine loop makes the process exit 3.
+SIGTERM drains in-flight requests within the grace period and exits 0. A CPU engine process that
+dies fails its running requests with 503 and ``Retry-After`` and is started again (three times in
+the server's life); with ``SERVING_FAIL_FAST=true`` a dead engine loop makes the process exit 3
+instead, for SageMaker or Kubernetes to replace. The engine process never outlives the server.
 """
 
 from __future__ import annotations
@@ -148,8 +150,15 @@ def build_engine(resolved: ResolvedConfig, env: Mapping[str, str] | None = None)
     cfg = resolved.config
     requested = _requested_backend(resolved)
     on_cpu = cfg.neuron.nxdi_on_cpu
-    probe = probe_host(requested, env=env, nxdi_on_cpu=on_cpu)
-    choice = choose_backend(requested, probe, cfg.neuron.model_loader, nxdi_on_cpu=on_cpu)
+    neuron = cfg.neuron
+    probe = probe_host(requested, env=env, nxdi_on_cpu=on_cpu, neuron_platform=neuron.neuron_platform)
+    choice = choose_backend(
+        requested,
+        probe,
+        neuron.model_loader,
+        nxdi_on_cpu=on_cpu,
+        allow_unsupported_platform=neuron.allow_unsupported_nxdi_on_inf2_trn1,
+    )
     tp, how = resolve_tp_degree(
         cfg.parallel.tensor_parallel_degree,
         choice.name,

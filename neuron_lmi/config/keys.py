@@ -89,6 +89,9 @@ KEYS: tuple[KeySpec, ...] = (
     _opt("neuron", "enable_mixed_precision_accumulation"),
     _opt("neuron", "quantize"),
     _opt("neuron", "fuse_qkv"),
+    _opt("neuron", "neuron_platform"),
+    _opt("neuron", "allow_unsupported_nxdi_on_inf2_trn1"),
+    _opt("neuron", "nxdi_profile"),
     # backend
     _opt("backend", "backend"),
     _srv("backend", "engine"),

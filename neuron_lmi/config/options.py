@@ -44,6 +44,12 @@ Engine = Literal["Python", "MPI"]
 # CPU), fp8 (NxD Inference on trn2).
 Quantize = Literal["static_int8", "int8", "int4", "fp8"]
 ModelLoader = Literal["nxdi", "tnx", "vllm"]
+# The Neuron chip families NxD Inference targets (NEURON_PLATFORM_TARGET_OVERRIDE's values).
+NEURON_PLATFORMS = ("inf2", "trn1", "trn2", "trn3")
+NeuronPlatform = Literal[NEURON_PLATFORMS]  # type: ignore[valid-type]
+# Tuned NeuronConfig sets (neuron_lmi.backends.nxdi.defaults.PROFILES).
+NXDI_PROFILES = ("trn2-tuned",)
+NxdiProfile = Literal[NXDI_PROFILES]  # type: ignore[valid-type]
 # vLLM's names for the tool-call formats neuron_lmi.server.tool_parsers reads.
 ToolCallParser = Literal["hermes", "llama3_json", "mistral"]
 
@@ -123,6 +129,11 @@ def _strip(value: Any) -> Any:
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=False)
+
+    def given(self, name: str) -> bool:
+        """Whether a source (CLI, serving.properties, environment) set field ``name``; False where
+        it holds its default, so a backend can apply its own (NxD Inference: the checkpoint's dtype)."""
+        return name in self.model_fields_set
 
     @field_validator("*", mode="before")
     @classmethod
@@ -261,7 +272,10 @@ class NeuronOptions(_Section):
     None lets dispatch pick what imports. ``override_neuron_config`` is a JSON object merged last into
     NxD Inference's ``NeuronConfig`` keyword arguments (and vllm-neuron's ``override_neuron_config``).
     ``on_device_sampling`` turns on NxD Inference's on-device sampling (greedy/top-k loads only; the
-    host sampler still runs whenever a request needs log-probabilities).
+    host sampler still runs whenever a request needs log-probabilities). ``neuron_platform`` names the
+    chip NxD Inference targets (None: NEURON_PLATFORM_TARGET_OVERRIDE, else the instance type);
+    ``allow_unsupported_nxdi_on_inf2_trn1`` lets NxD Inference 0.9+ start on inf2/trn1 (refused by
+    default: AWS ended inf2/trn1 support at 0.8, SDK 2.28); ``nxdi_profile`` selects a tuned set.
     """
 
     model_loader: ModelLoader | None = None
@@ -276,13 +290,16 @@ class NeuronOptions(_Section):
     enable_mixed_precision_accumulation: bool = False
     quantize: Quantize | None = None
     fuse_qkv: bool = False
+    neuron_platform: NeuronPlatform | None = None
+    allow_unsupported_nxdi_on_inf2_trn1: bool = False
+    nxdi_profile: NxdiProfile | None = None
 
     @property
     def nxdi_on_cpu(self) -> bool:
         """``override_neuron_config.on_cpu``: NxD Inference's own modeling code on the CPU."""
         return (self.override_neuron_config or {}).get("on_cpu") is True
 
-    @field_validator("model_loader", mode="before")
+    @field_validator("model_loader", "neuron_platform", "nxdi_profile", mode="before")
     @classmethod
     def _loader_lower(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value

@@ -124,7 +124,7 @@ def test_a_miss_compiles_once_and_serves_that_model(
 def test_key_covers_every_neuron_config_argument(plan: Any) -> None:
     base = nxdi_key_inputs(plan, CONFIG, "2.21.0", "0.9.0")
     changed = type(plan)(**{**{f: getattr(plan, f) for f in plan.__slots__}, "neuron_config": {
-        **plan.neuron_config, "fused_qkv": True}})  # fmt: skip
+        **plan.neuron_config, "fused_qkv": not plan.neuron_config["fused_qkv"]}})  # fmt: skip
     assert nxdi_key_inputs(changed, CONFIG, "2.21.0", "0.9.0").key() != base.key()
     assert nxdi_key_inputs(plan, CONFIG, "2.21.0", "0.9.1").key() != base.key()
     assert nxdi_key_inputs(plan, CONFIG, "2.22.0", "0.9.0").key() != base.key()

@@ -41,6 +41,18 @@ LLAMA_3_8B = {
     "rope_theta": 500000.0, "torch_dtype": "bfloat16",
 }  # fmt: skip
 
+LLAMA_3_3_70B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+    "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+    "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+}  # fmt: skip
+# AWS's Llama-3.3-70B card, trn2 config1/config2: tp 64 (LNC 2), its buckets up to 16384.
+TRN2_TUNED_70B = (
+    "option.tensor_parallel_degree=64\noption.max_rolling_batch_size=8\noption.n_positions=16384\n"
+    "option.context_length_estimate=256,512,1024,2048,4096,8192,10240,12288\noption.nxdi_profile=trn2-tuned\n"
+)
+
 
 def model_dir(tmp_path: Path, config: dict[str, Any]) -> Path:
     """A checkpoint folder with only config.json: the mapping must not need weights."""
@@ -72,7 +84,7 @@ def test_llama_2_70b_tp24_on_inf2_48xlarge(tmp_path: Path) -> None:
         "torch_dtype": torch.float16, "enable_bucketing": True,
         "context_encoding_buckets": [128, 256, 512, 1024, 2048, 4096],
         "token_generation_buckets": [128, 256, 512, 1024, 2048, 4096],
-        "fused_qkv": False, "padding_side": "right", "save_sharded_checkpoint": False,
+        "fused_qkv": True, "padding_side": "right", "save_sharded_checkpoint": False,
     }  # fmt: skip
     assert kwargs["torch_dtype"] is torch.float16  # a dtype object: NxD Inference refuses "fp16"
     assert plan.application.application == "NeuronLlamaForCausalLM"
@@ -86,7 +98,7 @@ def test_mistral_7b_tp8_bf16_with_lmi_keys(tmp_path: Path) -> None:
         tmp_path,
         MISTRAL_7B,
         "option.tensor_parallel_degree=8\noption.max_rolling_batch_size=32\noption.dtype=bf16\n"
-        "option.n_positions=4096\noption.context_length_estimate=256,512,1024\noption.fuse_qkv=true\n"
+        "option.n_positions=4096\noption.context_length_estimate=256,512,1024\n"
         "option.group_query_attention=shard-over-heads\noption.quantize=int8\n",
     )
     kwargs = plan.kwargs()
@@ -95,7 +107,7 @@ def test_mistral_7b_tp8_bf16_with_lmi_keys(tmp_path: Path) -> None:
     # The estimates plus n_positions: a 3,000-token prompt is still one context-encoding call.
     assert kwargs["context_encoding_buckets"] == [256, 512, 1024, 4096]
     assert kwargs["token_generation_buckets"] == [128, 256, 512, 1024, 2048, 4096]
-    assert kwargs["fused_qkv"] is True
+    assert kwargs["fused_qkv"] is False  # 0.9's Mistral application keeps q/k/v apart (defaults.py)
     assert kwargs["quantized"] is True
     assert kwargs["quantization_dtype"] == "int8"
     assert kwargs["quantization_type"] == "per_channel_symmetric"

@@ -12,7 +12,13 @@ import pytest
 
 from neuron_lmi.backends.dispatch import BackendProbe, BackendUnavailableError, choose_backend
 from neuron_lmi.backends.nxdi.plan import plan_nxdi
-from neuron_lmi.backends.nxdi.support import UnsupportedReleaseError, check_release, host_platform
+from neuron_lmi.backends.nxdi.support import (
+    Platform,
+    UnsupportedReleaseError,
+    check_release,
+    host_platform,
+    target_platform,
+)
 from tests.backends.test_nxdi_plan import LLAMA_3_8B, MISTRAL_7B, MIXTRAL_8X7B, plan_for
 
 ON_CPU = 'option.override_neuron_config={"on_cpu": true}\n'
@@ -59,7 +65,9 @@ def test_the_release_decides_the_mapping(tmp_path: Path) -> None:
     assert new.library_version == "0.9.0" and new.application.application == "NeuronMistralForCausalLM"
     old = plan_nxdi(resolved.config, MISTRAL_7B, new.model_path, None, "0.8.0", "trn1")
     assert old.application.application == "NeuronLlamaForCausalLM"  # 0.8 has no models/mistral
-    assert old.neuron_config == new.neuron_config
+    # The same keywords but one: 0.8's Llama application fuses Q/K/V weights, 0.9's Mistral does not.
+    assert old.neuron_config == {**new.neuron_config, "fused_qkv": True}
+    assert new.neuron_config["fused_qkv"] is False
     assert old.sliding_window == new.sliding_window is None  # a window of 4096 covers n_positions
     assert old.describe()["library_version"] == "0.8.0"
     assert (
@@ -151,3 +159,81 @@ def test_cpu_mode_runs_one_rank_for_max() -> None:
     )
     with pytest.raises(BackendUnavailableError, match="no NeuronCores are visible"):
         resolve_tp_degree("max", "neuron-nxdi", cpu_host, {})
+
+
+def test_an_explicit_key_lets_0_9_start_on_inf2_trn1_with_a_warning() -> None:
+    warning = check_release("0.9.0", "trn1", "llama", allow_unsupported_platform=True)
+    assert warning is not None
+    assert "option.allow_unsupported_nxdi_on_inf2_trn1" in warning and "NKI kernels" in warning
+    assert check_release("0.9.0", "trn2", "llama", allow_unsupported_platform=True) is None
+    with pytest.raises(UnsupportedReleaseError, match="has no mixtral"):  # the key does not reach it
+        check_release("0.9.0", "inf2", "mixtral", allow_unsupported_platform=True)
+    with pytest.raises(UnsupportedReleaseError, match="supports Trn2 and newer only") as info:
+        check_release("0.9.0", "inf2", "llama")
+    assert "option.allow_unsupported_nxdi_on_inf2_trn1=true" in str(info.value)  # how to proceed
+
+
+def test_the_key_reaches_dispatch_and_the_start_up_warning(tmp_path: Path) -> None:
+    inf2 = BackendProbe(neuron_devices=12, nxdi_version="0.9.0", neuron_platform="inf2")
+    choice = choose_backend("neuron", inf2, None, allow_unsupported_platform=True)
+    assert choice.name == "neuron-nxdi"
+    props = "option.tensor_parallel_degree=8\noption.allow_unsupported_nxdi_on_inf2_trn1=true\n"
+    plan, resolved = plan_for(tmp_path, LLAMA_3_8B, props)
+    allowed = plan_nxdi(resolved.config, LLAMA_3_8B, plan.model_path, None, "0.9.0", "inf2")
+    assert len(allowed.warnings) == 1 and "no longer supports NKI kernels" in allowed.warnings[0]
+    assert allowed.describe()["warnings"] == list(allowed.warnings)
+    with pytest.raises(UnsupportedReleaseError, match="has no mixtral"):
+        plan_nxdi(resolved.config, MIXTRAL_8X7B, plan.model_path, None, "0.9.0", "inf2")
+
+
+def test_the_platform_key_wins_and_contradictions_name_it(tmp_path: Path) -> None:
+    dmi = tmp_path / "product_name"
+    dmi.write_text("trn1.32xlarge\n", encoding="ascii")
+    override = {"NEURON_PLATFORM_TARGET_OVERRIDE": "inf2"}
+    assert target_platform("inf2", override, dmi_product=str(dmi)) == Platform(
+        "inf2", "option.neuron_platform"
+    )
+    assert target_platform(None, override, dmi_product=str(dmi)) == Platform(
+        "inf2", "NEURON_PLATFORM_TARGET_OVERRIDE"
+    )
+    assert target_platform(None, {}, dmi_product=str(dmi)) == Platform("trn1", "instance type trn1.32xlarge")
+    assert target_platform(None, {}, dmi_product=str(tmp_path / "absent")).name is None
+    with pytest.raises(ValueError, match="--platform=trn2 contradicts NEURON_PLATFORM_TARGET_OVERRIDE=inf2"):
+        target_platform("trn2", override, key="--platform", dmi_product=str(dmi))
+    # A compile may target another chip than its build host; a server may not.
+    assert target_platform("inf2", {}, dmi_product=str(dmi)).name == "inf2"
+    with pytest.raises(ValueError, match=r"option\.neuron_platform=inf2, but this host is a trn1\.32xlarge"):
+        target_platform("inf2", {}, serving=True, dmi_product=str(dmi))
+
+
+def test_the_release_follows_the_platform_and_says_why(tmp_path: Path) -> None:
+    _, resolved = plan_for(tmp_path, LLAMA_3_8B, "option.tensor_parallel_degree=8\n")
+    for chip, version in (("inf2", "0.8.0"), ("trn1", "0.8.0"), ("trn2", "0.9.0"), ("trn3", "0.9.0")):
+        planned = plan_nxdi(
+            resolved.config, LLAMA_3_8B, str(tmp_path), None, None, Platform(chip, "--platform")
+        )
+        assert planned.library_version == version
+        assert planned.version_source.startswith(f"not installed; inferred from platform {chip} (--platform)")
+        assert (planned.platform, planned.platform_source) == (chip, "--platform")
+    given = plan_nxdi(
+        resolved.config,
+        LLAMA_3_8B,
+        str(tmp_path),
+        None,
+        "0.9",
+        Platform("trn2", "--platform"),
+        "--nxdi-version",
+    )
+    assert (given.library_version, given.version_source) == ("0.9", "--nxdi-version")
+
+
+def test_the_probe_takes_the_platform_key(tmp_path: Path) -> None:
+    from neuron_lmi.backends.host import probe_host
+
+    absent = str(tmp_path / "none*")
+    probe = probe_host("cpu", dev_glob=absent, env={}, nvidia_glob=absent, neuron_platform="trn1")
+    assert probe.neuron_platform == "trn1"
+    overridden = probe_host(
+        "cpu", dev_glob=absent, env={"NEURON_PLATFORM_TARGET_OVERRIDE": "trn2"}, nvidia_glob=absent
+    )
+    assert overridden.neuron_platform == "trn2"

@@ -81,3 +81,42 @@ def test_unknown_dtype_is_rejected_by_argparse(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["plan", "--model", "llama-2-7b", "--dtype", "int8"])
     assert exc.value.code == 2
+
+
+def test_a_platform_limits_the_instances_and_names_the_release(capsys, monkeypatch):
+    monkeypatch.delenv("NEURON_PLATFORM_TARGET_OVERRIDE", raising=False)
+    code, out, _ = _run(capsys, "--model", "llama-2-70b", "--platform", "trn1")
+    assert code == 0
+    assert out.startswith("platform trn1 (--platform); NxD Inference 0.8.0 (not installed; inferred from")
+    assert "trn1.32xlarge" in out and "inf2.48xlarge" not in out and "trn2.48xlarge" not in out
+    code, out, _ = _run(capsys, "--model", "llama-2-70b", "--platform", "trn2", "--json")
+    data = json.loads(out)
+    assert data["nxd_inference"]["library_version"] == "0.9.0"
+    assert [p["instance"] for p in data["instances"]] == ["trn2.48xlarge"]
+    code, out, _ = _run(capsys, "--model", "mixtral-8x7b", "--platform", "trn2")
+    assert code == 0 and "NxD Inference 0.8.0 (assumed: not installed, the last release with mixtral)" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--model", "mixtral-8x7b", "--platform", "trn2", "--nxdi-version", "0.9"), "has no mixtral"),
+        (("--model", "llama-2-70b", "--platform", "inf2", "--nxdi-version", "0.9"), "Trn2 and newer only"),
+        (("--model", "llama-2-70b", "--platform", "trn3"), "no trn3 instance"),
+        (
+            ("--model", "llama-2-70b", "--platform", "trn1", "--instance", "inf2.xlarge"),
+            "not a trn1 instance",
+        ),
+    ],
+)
+def test_what_the_platform_rules_out_exits_2(capsys, monkeypatch, argv, message):
+    monkeypatch.delenv("NEURON_PLATFORM_TARGET_OVERRIDE", raising=False)
+    code, _, err = _run(capsys, *argv)
+    assert code == 2 and message in err
+
+
+def test_an_unknown_platform_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--model", "llama-2-70b", "--platform", "inf3"])
+    assert info.value.code == 2
+    assert "--platform" in capsys.readouterr().err

@@ -21,7 +21,7 @@ def build_nxdi_engine(request: registry.BuildRequest) -> Any:
     from neuron_lmi.backends.host import NXDI, installed_version
     from neuron_lmi.backends.nxdi.artifacts import is_artifact_dir
     from neuron_lmi.backends.nxdi.runner import build_nxdi_runner
-    from neuron_lmi.backends.nxdi.support import host_platform
+    from neuron_lmi.backends.nxdi.support import target_platform
 
     path = fetch(request.resolved, request.env)
     resolved = with_model_defaults(request.resolved, path)
@@ -38,9 +38,13 @@ def build_nxdi_engine(request: registry.BuildRequest) -> Any:
         cache,
         tp_degree=request.tp_degree,
         library_version=version if version != "unknown version" else None,
-        platform=host_platform(request.env),
+        platform=target_platform(neuron.neuron_platform, request.env, serving=not neuron.nxdi_on_cpu),
     )
-    return rolling_batch_engine(runner, path, resolved, "neuron-nxdi")
+    engine = rolling_batch_engine(runner, path, resolved, "neuron-nxdi")
+    # What /info reports as model_dtype (the checkpoint's when option.dtype is unset); serve falls back
+    # to option.dtype for a runner that does not say.
+    engine.dtype = getattr(runner, "dtype", None)
+    return engine
 
 
 registry.register("neuron-nxdi", build_nxdi_engine)

@@ -19,13 +19,15 @@ window in either release. Checked against the library itself on the CPU
     max_rolling_batch_size        batch_size, max_batch_size, tkg_batch_size (and ctx_batch_size=1)
     (continuous batching)         is_continuous_batching=True, padding_side="right"
     n_positions                   seq_len, max_context_length (a prompt may fill the sequence)
-    dtype                         torch_dtype (a torch dtype object; NxD refuses "bf16")
+    dtype                         torch_dtype (a torch dtype object; NxD refuses "bf16"); unset:
+                                  the checkpoint's torch_dtype, as AWS's vLLM loader does
     context_length_estimate       context_encoding_buckets (+ n_positions, so no prompt is ever
                                   fed one token at a time); enable_bucketing=True
     (n_positions)                 token_generation_buckets: 128, 256, ... n_positions
-    fuse_qkv                      fused_qkv
+    fuse_qkv                      fused_qkv; unset: on where the application fuses the weights
     quantize int8|fp8             quantized, quantization_dtype int8|f8e4m3, per_channel_symmetric
     logical_nc_config             logical_nc_config (2 on trn2)
+    nxdi_profile=trn2-tuned       the kernels and layout of AWS's tuned trn2 set (``defaults``)
     save_sharded_checkpoint       save_sharded_checkpoint
     on_device_sampling            on_device_sampling_config (greedy on device), else logits to the host
     override_neuron_config        merged last, every key kept; keys NeuronConfig does not know are
@@ -42,130 +44,39 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from compile_cache.key import token_generation_buckets
-from neuron_lmi.backends.nxdi.support import ENDS_AT_0_8, V2_PLATFORMS, check_release, release
+from neuron_lmi.backends.nxdi import defaults
+from neuron_lmi.backends.nxdi.applications import (
+    APPLICATIONS,
+    APPLICATIONS_0_8,
+    CONFIG_MODULE,
+    HF_ADAPTER_MODULE,
+    LIBRARY,
+    WINDOWED_APPLICATIONS,
+    Application,
+)
+from neuron_lmi.backends.nxdi.fields import (
+    LOCATION_FIELDS,
+    NEURON_CONFIG_FIELDS,
+    NEURON_CONFIG_FIELDS_0_8,
+    NOT_TAKEN,
+    NOT_TAKEN_DEFAULTS,
+)
+from neuron_lmi.backends.nxdi.support import (
+    DEFAULT_VERSION,
+    Platform,
+    check_release,
+    library_release,
+    release,
+)
 
 if TYPE_CHECKING:
     from neuron_lmi.config.options import ServingConfig
 
-LIBRARY = "neuronx-distributed-inference"
-LIBRARY_MODULE = "neuronx_distributed_inference"
-CONFIG_MODULE = f"{LIBRARY_MODULE}.models.config"
-HF_ADAPTER_MODULE = f"{LIBRARY_MODULE}.utils.hf_adapter"
 MIN_BUCKET = 128
 TORCH_DTYPES = MappingProxyType({"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"})
+DTYPE_NAMES = MappingProxyType({torch_name: name for name, torch_name in TORCH_DTYPES.items()})
 # option.quantize -> NxD Inference's weight quantization dtype; static_int8 is LMI's tnx spelling.
 QUANTIZATION_DTYPES = MappingProxyType({"int8": "int8", "static_int8": "int8", "fp8": "f8e4m3"})
-
-
-@dataclass(frozen=True, slots=True)
-class Application:
-    """One NxD Inference causal-LM application: its module and the three classes built from it."""
-
-    module: str
-    application: str
-    inference_config: str
-    neuron_config_cls: str
-
-    def path(self, name: str) -> str:
-        return f"{self.module}.{name}"
-
-
-LLAMA = Application(
-    f"{LIBRARY_MODULE}.models.llama.modeling_llama",
-    "NeuronLlamaForCausalLM",
-    "LlamaInferenceConfig",
-    "NeuronConfig",
-)
-MISTRAL = Application(
-    f"{LIBRARY_MODULE}.models.mistral.modeling_mistral",
-    "NeuronMistralForCausalLM",
-    "MistralInferenceConfig",
-    "NeuronConfig",
-)
-MIXTRAL = Application(
-    f"{LIBRARY_MODULE}.models.mixtral.modeling_mixtral",
-    "NeuronMixtralForCausalLM",
-    "MixtralInferenceConfig",
-    "MoENeuronConfig",
-)
-# config.json model_type -> application (NxD Inference's utils/constants.py MODEL_TYPES), per release:
-# 0.8 has no models/mistral, so a Mistral runs on the Llama application (same weights and layers).
-APPLICATIONS: Mapping[str, Application] = MappingProxyType(
-    {"llama": LLAMA, "mistral": MISTRAL, "mixtral": MIXTRAL}
-)
-APPLICATIONS_0_8: Mapping[str, Application] = MappingProxyType({**APPLICATIONS, "mistral": LLAMA})
-# Applications whose attention reads config.sliding_window (a ring cache of that many slots).
-WINDOWED_APPLICATIONS = frozenset({LLAMA.application, MISTRAL.application})
-DEFAULT_VERSION = {"v2": "0.8.0", "other": "0.9.0"}  # assumed where the library is not installed
-
-
-# NeuronConfig / MoENeuronConfig / OnDeviceSamplingConfig keyword arguments read by ``kwargs.pop`` in
-# models/config.py at 4bcdc54. Anything else in override_neuron_config is silently dropped by the
-# library, so it is named at start-up instead.
-NEURON_CONFIG_FIELDS = frozenset(
-    """batch_size padding_side allow_input_truncation seq_len n_active_tokens n_positions on_cpu
-    output_logits torch_dtype overrides_torch_dtype cast_type rpl_reduce_dtype attention_dtype
-    max_context_length max_new_tokens max_length vocab_parallel enable_cte_modular_flow
-    layer_boundary_markers fused_qkv sequence_parallel_enabled weight_gather_seq_len_threshold attn_cls
-    ctx_batch_size tkg_batch_size max_batch_size is_continuous_batching kv_cache_batch_size
-    kv_cache_padding_size on_device_sampling_config disable_argmax_kernel async_mode enable_bucketing
-    buckets bucket_n_active_tokens context_encoding_buckets prefix_buckets token_generation_buckets
-    token_generation_batches quantized quantized_checkpoints_path quantization_type quantization_dtype
-    quantization_block_size quantization_block_axis quantization_scale_dtype is_mxfp4_compute
-    is_full_model_shuffled modules_to_not_convert kv_cache_quant speculation_length spec_batch_size
-    enable_fused_speculation enable_eagle_speculation eagle_rolling_buffer_kernel_enabled is_eagle3
-    is_eagle_draft enable_eagle_draft_input_norm token_tree_config is_medusa medusa_speculation_length
-    num_medusa_heads medusa_tree is_block_kv_layout pa_num_blocks pa_block_size is_prefix_caching
-    windowed_context_encoding_size chunked_prefill_config kv_quant_config tensor_replacement_config
-    tensor_capture_config lora_config tp_degree cp_degree mlp_cp_degree attention_dp_degree pp_degree
-    ep_degree save_sharded_checkpoint skip_sharding enable_ve_data_parallel qk_layernorm pre_rope_rmsnorm
-    world_size start_rank_id local_ranks_size flash_decoding_enabled disable_kv_cache_tiling
-    k_cache_transposed attn_kernel_enabled strided_context_parallel_kernel_enabled qkv_kernel_enabled
-    qkv_nki_kernel_enabled qkv_cte_nki_kernel_fuse_rope qkv_kernel_nbsd_layout mlp_kernel_enabled
-    mlp_tkg_nki_kernel_enabled fused_rmsnorm_skip_gamma mlp_kernel_fuse_residual_add
-    qkv_kernel_fuse_residual_add quantized_mlp_kernel_enabled out_proj_kernel_enabled
-    activation_quantization_type attn_tkg_nki_kernel_enabled attn_tkg_builtin_kernel_enabled
-    attn_block_tkg_nki_kernel_enabled attn_block_tkg_nki_kernel_cache_update
-    attn_block_tkg_nki_kernel_cascaded_attention attn_block_tkg_nki_kernel_use_online_softmax
-    attn_block_tkg_nki_kernel_disable_gpsimd_sb2sb attn_block_cte_nki_kernel_enabled
-    rmsnorm_quantize_kernel_enabled quantize_clamp_bound moe_fused_nki_kernel_enabled
-    router_topk_nki_kernel_enabled expert_mlp_nki_kernel_enabled shared_mlp_nki_kernel_enabled
-    lm_head_pad lm_head_pad_alignment_size cc_pipeline_tiling_factor seq_len_threshold_for_cc_tiling
-    target enable_spill_reload_dge weights_to_skip_layout_optimization dma_order_config
-    apply_seq_ids_mask skip_warmup scratchpad_page_size padded_hidden_size padded_intermediate_size
-    switch_cc ep_dispatch_cc_option logical_neuron_cores logical_nc_config skip_vision
-    capacity_factor glu_mlp glu_type hidden_act_scaling_factor hidden_act_bias gate_clamp_upper_limit
-    gate_clamp_lower_limit up_clamp_upper_limit up_clamp_lower_limit use_index_calc_kernel
-    moe_mask_padded_tokens early_expert_affinity_modulation disable_normalize_top_k_affinities
-    fused_shared_experts shared_experts_sequence_parallel_enabled return_expert_index
-    return_router_logits hybrid_sharding_config moe_tp_degree moe_ep_degree
-    transpose_shared_experts_weights blockwise_matmul_config router_config""".split()  # noqa: SIM905
-)
-# 0.8.0 (cd3abf3) takes the same keywords but one.
-NEURON_CONFIG_FIELDS_0_8 = NEURON_CONFIG_FIELDS - {"enable_ve_data_parallel"}
-# Keys that say where files go, not what is compiled: kept out of the cache key.
-LOCATION_FIELDS = frozenset({"quantized_checkpoints_path"})
-# LMI keys the NxD Inference backend does not take, and why (reported once at start-up).
-NOT_TAKEN: Mapping[str, str] = MappingProxyType(
-    {
-        "group_query_attention": "NxD Inference chooses GQA sharding itself (KV heads replicated up to "
-        "tp_degree, or converted to MHA when tp % kv_heads != 0)",
-        "neuron_optimize_level": "NxD Inference builds its own compiler arguments (get_compiler_args); "
-        "set them through override_neuron_config where the application exposes them",
-        "enable_saturate_infinity": "a transformers-neuronx compiler flag",
-        "enable_mixed_precision_accumulation": "a transformers-neuronx compiler flag",
-        "batch_size": "continuous batching compiles max_rolling_batch_size rows (ctx_batch_size=1)",
-    }
-)
-_NOT_TAKEN_DEFAULTS: Mapping[str, Any] = MappingProxyType(
-    {
-        "group_query_attention": None,
-        "neuron_optimize_level": None,
-        "enable_saturate_infinity": False,
-        "enable_mixed_precision_accumulation": False,
-        "batch_size": None,
-    }
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +104,12 @@ class NxdiPlan:
     version_source: str = "assumed"
     on_cpu: bool = False
     sliding_window: int | None = None  # the ring the application keeps, when it keeps one
+    platform: str | None = None
+    platform_source: str = ""
+    dtype_source: str = "option.dtype"
+    profile: str | None = None
+    environment: dict[str, str] = field(default_factory=dict)  # set before compile or load
+    warnings: tuple[str, ...] = ()  # logged at start-up
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments exactly as passed: ``torch_dtype`` as the torch dtype object."""
@@ -220,6 +137,14 @@ class NxdiPlan:
             "library": LIBRARY,
             "library_version": self.library_version,
             "library_version_source": self.version_source,
+            "platform": self.platform,
+            "platform_source": self.platform_source,
+            "dtype": self.dtype,
+            "dtype_source": self.dtype_source,
+            "profile": self.profile,
+            **({"profile_left_out": dict(defaults.PROFILE_LEFT_OUT)} if self.profile else {}),
+            "environment": dict(self.environment),
+            "warnings": list(self.warnings),
             "on_cpu": self.on_cpu,
             "application_class": self.application.path(self.application.application),
             "inference_config_class": self.application.path(self.application.inference_config),
@@ -283,26 +208,12 @@ def _ignored(config: ServingConfig, fields: frozenset[str], version: str) -> dic
         "enable_mixed_precision_accumulation": config.neuron.enable_mixed_precision_accumulation,
         "batch_size": config.batching.batch_size,
     }
-    out = {f"option.{k}": NOT_TAKEN[k] for k, v in values.items() if v != _NOT_TAKEN_DEFAULTS[k]}
+    out = {f"option.{k}": NOT_TAKEN[k] for k, v in values.items() if v != NOT_TAKEN_DEFAULTS[k]}
     for key in sorted(set(config.neuron.override_neuron_config or {}) - fields):
         out[f"override_neuron_config.{key}"] = (
             f"not a NeuronConfig field in NxD Inference {version} (the library would drop it silently)"
         )
     return out
-
-
-def library_release(version: str | None, platform: str | None, model_type: str) -> tuple[str, str]:
-    """The release the mapping is for and how it was found: the installed one, else the one that
-    serves this model on this platform (0.8 on inf2/trn1 and for Mixtral, 0.9 elsewhere)."""
-    if version:
-        return version, "installed"
-    family = (platform or "").rstrip("n")
-    if family in V2_PLATFORMS:
-        return DEFAULT_VERSION["v2"], f"assumed: not installed, the release for {platform}"
-    if model_type in ENDS_AT_0_8:
-        return DEFAULT_VERSION["v2"], f"assumed: not installed, the last release with {model_type}"
-    where = f"for {platform}" if platform else "platform unknown"
-    return DEFAULT_VERSION["other"], f"assumed: not installed, {where}"
 
 
 def _window(application: Application, model_config: Mapping[str, Any], n_positions: int) -> int | None:
@@ -312,7 +223,7 @@ def _window(application: Application, model_config: Mapping[str, Any], n_positio
     return window
 
 
-def _on_cpu(kwargs: dict[str, Any], dtype: str) -> None:
+def _on_cpu(kwargs: dict[str, Any], dtype: str, dtype_source: str) -> None:
     """``to_cpu`` runs one process per rank under torchrun, fp32 only with tp > 1, never fp16
     (application_base.py ``to_cpu``); the server runs one process, so tp must be 1."""
     if kwargs["tp_degree"] != 1:
@@ -322,49 +233,20 @@ def _on_cpu(kwargs: dict[str, Any], dtype: str) -> None:
             "rank; set option.tensor_parallel_degree=1"
         )
     if dtype == "fp16":
+        given = "option.dtype=fp16" if dtype_source == "option.dtype" else f"fp16 ({dtype_source})"
         raise ValueError(
-            "override_neuron_config.on_cpu=true: NxD Inference refuses option.dtype=fp16 on the CPU"
+            f"override_neuron_config.on_cpu=true: NxD Inference refuses {given} on the CPU; set "
+            "option.dtype=fp32 or bf16"
         )
     # In on_cpu mode the modules are built for the largest bucket only (application_base.to_cpu with
     # model_base masks): any smaller bucket fails with a shape mismatch.
     kwargs["context_encoding_buckets"] = kwargs["token_generation_buckets"] = [kwargs["seq_len"]]
 
 
-def plan_nxdi(
-    config: ServingConfig,
-    model_config: Mapping[str, Any],
-    model_path: str,
-    tp_degree: int | None = None,
-    library_version: str | None = None,
-    platform: str | None = None,
-) -> NxdiPlan:
-    """The NxD Inference plan for ``config`` and the model's ``config.json`` (no Neuron import), for
-    ``library_version`` (the installed release; None: the one ``platform`` runs). Raises
-    ``ValueError`` naming the key, ``UnsupportedReleaseError`` where the SDK matrix rules it out."""
-    model_type = str(model_config.get("model_type", ""))
-    version, version_source = library_release(library_version, platform, model_type)
-    old = (release(version) or (0, 9)) <= (0, 8)
-    applications = APPLICATIONS_0_8 if old else APPLICATIONS
-    application = applications.get(model_type)
-    if application is None:
-        raise ValueError(
-            f"config.json model_type={model_type!r} has no NxD Inference application here; "
-            f"supported: {', '.join(sorted(applications))}"
-        )
-    check_release(version, platform, model_type)
+def _base_kwargs(config: ServingConfig, tp: int, dtype: str, application: Application) -> dict[str, Any]:
     batching, neuron = config.batching, config.neuron
-    if batching.n_positions is None:
-        raise ValueError(
-            "n_positions is not set; apply the model defaults (config.apply_model_defaults) first"
-        )
-    n_positions, rows, tp = (
-        batching.n_positions,
-        batching.max_rolling_batch_size,
-        resolve_tp(config, tp_degree),
-    )
-    context = nxdi_context_buckets(n_positions, batching.context_length_estimate)
-    tokens = token_generation_buckets(n_positions, MIN_BUCKET)
-    kwargs: dict[str, Any] = {
+    n_positions, rows = int(batching.n_positions or 0), batching.max_rolling_batch_size
+    return {
         "tp_degree": tp,
         "batch_size": rows,
         "max_batch_size": rows,
@@ -373,25 +255,94 @@ def plan_nxdi(
         "is_continuous_batching": True,
         "seq_len": n_positions,
         "max_context_length": n_positions,
-        "torch_dtype": TORCH_DTYPES[config.model.dtype],
+        "torch_dtype": TORCH_DTYPES[dtype],
         "enable_bucketing": True,
-        "context_encoding_buckets": list(context),
-        "token_generation_buckets": list(tokens),
-        "fused_qkv": neuron.fuse_qkv,
+        "context_encoding_buckets": list(nxdi_context_buckets(n_positions, batching.context_length_estimate)),
+        "token_generation_buckets": list(token_generation_buckets(n_positions, MIN_BUCKET)),
+        "fused_qkv": defaults.fused_qkv(config, application.application),
         "padding_side": "right",
         "save_sharded_checkpoint": neuron.save_sharded_checkpoint,
         **_quantization(neuron.quantize),
     }
+
+
+def _key(name: str, config: ServingConfig, profile: Mapping[str, Any], option: str | None = None) -> str:
+    """The key that decided keyword ``name``: the override, the option, else the profile."""
+    neuron = config.neuron
+    overrides = neuron.override_neuron_config or {}
+    if name in overrides:
+        return f"override_neuron_config.{name}={overrides[name]!r}"
+    if option is not None and neuron.given(option):
+        return f"option.{option}={getattr(neuron, option)!r}"
+    if name in profile:
+        return f"{defaults.PROFILE_KEY}={neuron.nxdi_profile}"
+    return f"option.{option or name}"
+
+
+def _neuron_kwargs(
+    config: ServingConfig, tp: int, dtype: str, application: Application, platform: Platform
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(keyword arguments, the profile's): base, then the profile, then explicit options, then
+    ``override_neuron_config`` last."""
+    neuron = config.neuron
+    overrides = neuron.override_neuron_config or {}
+    kwargs = _base_kwargs(config, tp, dtype, application)
+    profile = defaults.profile_kwargs(neuron.nxdi_profile, platform, overrides.get("on_cpu") is True, dtype)
+    kwargs.update(profile)
+    if neuron.given("fuse_qkv"):
+        kwargs["fused_qkv"] = neuron.fuse_qkv
     if neuron.logical_nc_config is not None:
         kwargs["logical_nc_config"] = neuron.logical_nc_config
     if neuron.on_device_sampling:
         # Greedy on the device; only the chosen token comes back (see NxdiRunner).
         kwargs["on_device_sampling_config"] = {"do_sample": False, "top_k": 1, "dynamic": False}
-    kwargs.update(neuron.override_neuron_config or {})
+    kwargs.update(overrides)
+    return kwargs, profile
+
+
+def plan_nxdi(
+    config: ServingConfig,
+    model_config: Mapping[str, Any],
+    model_path: str,
+    tp_degree: int | None = None,
+    library_version: str | None = None,
+    platform: str | Platform | None = None,
+    version_source: str = "installed",
+) -> NxdiPlan:
+    """The NxD Inference plan for ``config`` and the model's ``config.json`` (no Neuron import), for
+    ``library_version`` (given or installed, as ``version_source`` says; None: the one ``platform``
+    runs). Raises ``ValueError`` naming the key, ``UnsupportedReleaseError`` where the SDK matrix rules
+    it out."""
+    model_type = str(model_config.get("model_type", ""))
+    if isinstance(platform, Platform):
+        target = platform
+    else:
+        target = Platform(platform, "given") if platform else Platform(None, "platform unknown")
+    version, version_source = library_release(library_version, target, model_type, version_source)
+    old = (release(version) or (0, 9)) <= (0, 8)
+    applications = APPLICATIONS_0_8 if old else APPLICATIONS
+    application = applications.get(model_type)
+    if application is None:
+        raise ValueError(
+            f"config.json model_type={model_type!r} has no NxD Inference application here; "
+            f"supported: {', '.join(sorted(applications))}"
+        )
+    neuron = config.neuron
+    warning = check_release(version, target.name, model_type, neuron.allow_unsupported_nxdi_on_inf2_trn1)
+    if config.batching.n_positions is None:
+        raise ValueError(
+            "n_positions is not set; apply the model defaults (config.apply_model_defaults) first"
+        )
+    dtype, dtype_source = defaults.resolve_dtype(config, model_config)
+    kwargs, profile = _neuron_kwargs(config, resolve_tp(config, tp_degree), dtype, application, target)
     on_cpu = kwargs.get("on_cpu") is True
     if on_cpu:
-        _on_cpu(kwargs, config.model.dtype)
+        _on_cpu(kwargs, dtype, dtype_source)
     _check(kwargs)
+    defaults.check_fused_qkv(
+        kwargs, application.application, version, _key("fused_qkv", config, profile, "fuse_qkv")
+    )
+    defaults.check_sequence_parallel(kwargs, _key("sequence_parallel_enabled", config, profile))
     window = _window(application, model_config, int(kwargs["seq_len"]))
     ignored = _ignored(config, NEURON_CONFIG_FIELDS_0_8 if old else NEURON_CONFIG_FIELDS, version)
     if window is not None and application.application not in WINDOWED_APPLICATIONS:
@@ -409,7 +360,7 @@ def plan_nxdi(
         n_positions=int(kwargs["seq_len"]),
         batch_size=int(kwargs["max_batch_size"]),
         tp_degree=int(kwargs["tp_degree"]),
-        dtype=config.model.dtype,
+        dtype=DTYPE_NAMES[kwargs["torch_dtype"]],
         context_buckets=tuple(kwargs["context_encoding_buckets"]),
         token_buckets=tuple(kwargs["token_generation_buckets"]),
         on_device_sampling=kwargs.get("on_device_sampling_config") is not None,
@@ -418,6 +369,12 @@ def plan_nxdi(
         version_source=version_source,
         on_cpu=on_cpu,
         sliding_window=window if application.application in WINDOWED_APPLICATIONS else None,
+        platform=target.name,
+        platform_source=target.source,
+        dtype_source=dtype_source if kwargs["torch_dtype"] == TORCH_DTYPES[dtype] else "override",
+        profile=neuron.nxdi_profile,
+        environment=defaults.special_scalar_environment(kwargs),
+        warnings=(warning,) if warning else (),
     )
 
 

@@ -36,6 +36,7 @@ Consequences handled here:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,12 +44,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from cache_api import RowTable
+from neuron_lmi.backends.nxdi.defaults import apply_environment
 from neuron_lmi.backends.row_batch import PAD_TOKEN_ID, check_prompts, token_batch
 from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities
 
 if TYPE_CHECKING:
     from compile_cache import CompileCache
     from neuron_lmi.backends.nxdi.plan import NxdiPlan
+    from neuron_lmi.backends.nxdi.support import Platform
     from neuron_lmi.config.options import ServingConfig
 
 log = logging.getLogger(__name__)
@@ -92,6 +95,7 @@ class NxdiRunner(ForwardByKind):
         on_device_sampling: bool = False,
         largest_context_bucket: int | None = None,
         sliding_window: int | None = None,
+        dtype: str | None = None,
     ) -> None:
         self.model = model
         self.rows = RowTable(n_rows, n_positions)
@@ -100,6 +104,7 @@ class NxdiRunner(ForwardByKind):
         self.on_device_sampling = on_device_sampling
         self.largest_context_bucket = largest_context_bucket or n_positions
         self.sliding_window = sliding_window
+        self.dtype = dtype  # what the application computes in (reported as the model's dtype)
         self._last_token: dict[int, int] = {}  # row -> the token written at its last position
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -192,7 +197,7 @@ def build_nxdi_runner(
     model: CausalLMApplication | None = None,
     compiler_version: str | None = None,
     library_version: str | None = None,
-    platform: str | None = None,
+    platform: str | Platform | None = None,
 ) -> NxdiRunner:
     """Map the configuration, load (or compile once, then load) the application, wrap it in a runner.
 
@@ -206,16 +211,23 @@ def build_nxdi_runner(
     model_config = read_hf_config(model_path, "the NxD Inference backend")
     plan = plan_nxdi(config, model_config, model_path, tp_degree, library_version, platform)
     log.info(
-        "NxD Inference %s (%s): %s%s",
+        "NxD Inference %s (%s) on %s: %s, %s (%s)%s",
         plan.library_version,
         plan.version_source,
+        plan.platform or "an unknown platform",
         plan.application.application,
+        plan.dtype,
+        plan.dtype_source,
         ", on the CPU (override_neuron_config.on_cpu): a check of the configuration, not a Neuron server"
         if plan.on_cpu
         else "",
     )
+    for warning in plan.warnings:
+        log.warning("%s", warning)
     for key, reason in plan.ignored.items():
         log.warning("NxD Inference backend ignores %s: %s", key, reason)
+    if model is None:
+        apply_environment(plan.environment, os.environ)
     if model is None and plan.on_cpu:
         model = on_cpu_application(plan)
     elif model is None:
@@ -234,16 +246,17 @@ def runner_for(model: CausalLMApplication, plan: NxdiPlan, vocab_size: int) -> N
         plan.on_device_sampling,
         largest_context_bucket=plan.context_buckets[-1],
         sliding_window=plan.sliding_window,
+        dtype=plan.dtype,
     )
 
 
 def on_cpu_application(plan: NxdiPlan) -> Any:
     """The application with NxD Inference's modeling code on the CPU: ``to_cpu()`` shards the
     checkpoint for one rank into torch modules instead of compiling or loading NEFFs."""
-    import os
     import socket
 
     from neuron_lmi.backends.nxdi.artifacts import new_application
+    from neuron_lmi.backends.nxdi.cpu_mode import supply_cpu_methods
 
     if "MASTER_PORT" not in os.environ and not torch.distributed.is_initialized():
         # to_cpu starts a one-process gloo group on MASTER_PORT, 29500 by default: a second server
@@ -252,6 +265,7 @@ def on_cpu_application(plan: NxdiPlan) -> Any:
             probe.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
     app = new_application(plan)
+    supply_cpu_methods(app, plan.on_cpu, plan.library_version)
     app.to_cpu()
     return app
 

@@ -11,8 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from tests.backends.nxdi_library import library
 
 if __name__ == "__main__":
-    library.install()
-    library.supply_missing_cpu_method()  # 0.8.0 only; the tier checked in-process why (conftest)
+    library.install()  # 0.8.0's missing CPU-path method is the product's to supply (nxdi.cpu_mode)
     from neuron_lmi.cli import main
 
     sys.exit(main())

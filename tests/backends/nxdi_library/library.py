@@ -159,23 +159,3 @@ def library_version() -> str:
     import neuronx_distributed_inference
 
     return str(neuronx_distributed_inference.__version__)
-
-
-def supply_missing_cpu_method() -> bool:
-    """NxD Inference 0.8.0's CPU mode calls ``NeuronBaseForCausalLM._get_captured_tensors_offset``
-    after every forward (``_copy_past_key_values``), but that release defines the method only on its
-    image-to-text base; 0.9.0 defines it on the causal-LM base, as the offset of captured tensors in
-    the outputs, 0 without ``tensor_capture_config``. Where it is missing, supply exactly that (this
-    tier captures no tensors), so the rest of 0.8.0's own code runs. Returns whether it was missing."""
-    from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM
-
-    if hasattr(NeuronBaseForCausalLM, "_get_captured_tensors_offset"):
-        return False
-
-    def no_captured_tensors(self: Any) -> int:
-        if getattr(self.neuron_config, "tensor_capture_config", None):
-            raise NotImplementedError("this tier supplies the offset only without tensor capture")
-        return 0
-
-    NeuronBaseForCausalLM._get_captured_tensors_offset = no_captured_tensors  # type: ignore[attr-defined]
-    return True

@@ -22,11 +22,13 @@ import torch
 from neuron_lmi.backends.common import eos_ids_for
 from neuron_lmi.backends.cpu.runner import CpuRunner
 from neuron_lmi.backends.nxdi.runner import on_cpu_application, runner_for
+from neuron_lmi.backends.nxdi.support import release
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint, load_tokenizer
 from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
 from tests.backends.conftest import run_schedule
+from tests.backends.nxdi_library import library
 from tests.backends.nxdi_library.conftest import nxdi_plan, served
 from tests.server.conftest import free_port, start_server
 
@@ -124,6 +126,9 @@ def test_the_server_on_the_library_answers_concurrent_completions(checkpoint: Pa
         server.stop()
     log = server.log.read_text()
     assert "override_neuron_config.on_cpu=true" in log and "no Neuron devices used" in log
+    # 0.8.0 lacks a CPU-path method: the product supplies it and says so (test_cpu_mode.py)
+    supplied = "_get_captured_tensors_offset, which its CPU mode calls" in log
+    assert supplied is ((release(library.library_version()) or (0, 9)) <= (0, 8))
 
 
 def _greedy(n: int) -> Any:

@@ -1,7 +1,8 @@
 """(c) Every mapping we ship is taken by the real ``NeuronConfig``/``MoENeuronConfig`` and application.
 
 Representative deployments (Llama-2-70B at tp 24 on inf2, Mistral-7B with int8 weights and LMI keys,
-Mixtral-8x7B at tp 32, Llama-3-8B on trn2 with LNC 2 and overrides, on-device sampling, the CPU mode)
+Mixtral-8x7B at tp 32, Llama-3-8B on trn2 with LNC 2 and overrides, on-device sampling, AWS's tuned
+trn2 set for Llama-3.3-70B (``option.nxdi_profile=trn2-tuned``), the CPU mode)
 are planned for the release under test and built through ``new_application`` from a folder holding
 only ``config.json``: the library must log no "Unexpected keyword arguments" and keep every value.
 Run the tier once per release (0.9.0 = 4bcdc54, 0.8.0 = cd3abf3) to check both.
@@ -21,7 +22,15 @@ from neuron_lmi.backends.nxdi.plan import plan_nxdi
 from neuron_lmi.backends.nxdi.support import UnsupportedReleaseError
 from neuron_lmi.config import load_config
 from tests.backends.nxdi_library import library
-from tests.backends.test_nxdi_plan import LLAMA_2_70B, LLAMA_3_8B, MISTRAL_7B, MIXTRAL_8X7B, model_dir
+from tests.backends.test_nxdi_plan import (
+    LLAMA_2_70B,
+    LLAMA_3_3_70B,
+    LLAMA_3_8B,
+    MISTRAL_7B,
+    MIXTRAL_8X7B,
+    TRN2_TUNED_70B,
+    model_dir,
+)
 
 BASE = "option.model_loader=nxdi\n"
 DEPLOYMENTS = {
@@ -32,7 +41,7 @@ DEPLOYMENTS = {
     "mistral-7b-int8-lmi-keys": (
         MISTRAL_7B,
         "option.tensor_parallel_degree=8\noption.max_rolling_batch_size=32\noption.dtype=bf16\n"
-        "option.n_positions=4096\noption.context_length_estimate=256,512,1024\noption.fuse_qkv=true\n"
+        "option.n_positions=4096\noption.context_length_estimate=256,512,1024\n"
         "option.group_query_attention=shard-over-heads\noption.quantize=int8\n",
     ),
     "mixtral-8x7b-tp32": (
@@ -50,6 +59,7 @@ DEPLOYMENTS = {
         "option.tensor_parallel_degree=8\noption.max_rolling_batch_size=8\noption.dtype=bf16\n"
         "option.on_device_sampling=true\noption.n_positions=1024\n",
     ),
+    "llama-3.3-70b-trn2-tuned": (LLAMA_3_3_70B, TRN2_TUNED_70B),
     "mistral-7b-on-cpu": (
         MISTRAL_7B,
         "option.tensor_parallel_degree=1\noption.max_rolling_batch_size=2\noption.dtype=fp32\n"
