@@ -271,8 +271,10 @@ class NeuronOptions(_Section):
     ``model_loader`` is LMI's ``option.model_loader`` (nxdi|tnx|vllm): which Neuron library serves;
     None lets dispatch pick what imports. ``override_neuron_config`` is a JSON object merged last into
     NxD Inference's ``NeuronConfig`` keyword arguments (and vllm-neuron's ``override_neuron_config``).
-    ``on_device_sampling`` turns on NxD Inference's on-device sampling (greedy/top-k loads only; the
-    host sampler still runs whenever a request needs log-probabilities). ``neuron_platform`` names the
+    ``on_device_sampling`` (on by default, as AWS serves NxD Inference) draws each row's token on the
+    device from its own temperature, top-k and top-p; rows that need more (log-probabilities,
+    penalties, logit_bias, a grammar, a seed) are sampled on the host from the logits that come back
+    beside the tokens (docs/configuration.md). ``neuron_platform`` names the
     chip NxD Inference targets (None: NEURON_PLATFORM_TARGET_OVERRIDE, else the instance type);
     ``allow_unsupported_nxdi_on_inf2_trn1`` lets NxD Inference 0.9+ start on inf2/trn1 (refused by
     default: AWS ended inf2/trn1 support at 0.8, SDK 2.28); ``nxdi_profile`` selects a tuned set.
@@ -280,7 +282,7 @@ class NeuronOptions(_Section):
 
     model_loader: ModelLoader | None = None
     override_neuron_config: dict[str, Any] | None = None
-    on_device_sampling: bool = False
+    on_device_sampling: bool = True
     save_sharded_checkpoint: bool = False
     logical_nc_config: int | None = Field(default=None, ge=1, le=2)
     compiled_graph_path: str | None = None

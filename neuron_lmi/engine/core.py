@@ -17,10 +17,11 @@ import torch
 
 from neuron_lmi.config.options import DEFAULT_MAX_PREFILL_TOKENS
 from neuron_lmi.engine.admission import Admission, AdmissionLimits
+from neuron_lmi.engine.device_sampling import host_field, line_sampling
 from neuron_lmi.engine.grammar import GrammarCompiler
 from neuron_lmi.engine.prefix import PrefixIndex
 from neuron_lmi.engine.request import EventSink, Request, Status
-from neuron_lmi.engine.sampling import prompt_logprobs, sample
+from neuron_lmi.engine.sampling import SampleOutput, prompt_logprobs, sample
 from neuron_lmi.engine.scheduler import (
     DEFAULT_MIN_CHUNK,
     DEFAULT_STEP_TOKENS,
@@ -40,7 +41,7 @@ from neuron_lmi.engine.types import (
     TopToken,
 )
 from neuron_lmi.models import native
-from neuron_lmi.runners.base import BatchKind, ModelRunner, StepBatch, capabilities_of
+from neuron_lmi.runners.base import GREEDY_LINE, BatchKind, ModelRunner, StepBatch, capabilities_of
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,14 @@ class EngineCore:
         if params.prompt_logprobs is not None and not self.capabilities.prompt_logits:
             message = f"{type(self.runner).__name__} cannot score prompts (prompt log-probabilities)"
             raise InvalidRequestError(message, "prompt_logprobs")
+        device = self.capabilities.device_sampling
+        field = host_field(params, device) if device is not None and not device.logits else None
+        if field is not None:
+            message = (
+                f"{field} needs host sampling, and {type(self.runner).__name__} samples on the device "
+                "without returning logits (see docs/configuration.md, on-device sampling)"
+            )
+            raise InvalidRequestError(message, field)
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -167,21 +176,15 @@ class EngineCore:
                 return []
             return [e for i in lines for e in self._run(batch.line(i), [requests[i]])]
         try:
-            logits, sampled = self.runner.forward(batch), requests
+            logits, tokens, sampled = *self._forward(batch, requests), requests
             if not all(batch.samples):  # a non-final prompt chunk samples nothing
                 keep = [i for i, s in enumerate(batch.samples) if s]
-                logits, sampled = logits[keep], [requests[i] for i in keep]
+                sampled = [requests[i] for i in keep]
+                logits = logits[keep] if logits is not None else None
+                tokens = tokens[keep] if tokens is not None else None
                 if not sampled:
                     return []
-            out = sample(
-                logits,
-                [r.params for r in sampled],
-                [r.all_ids for r in sampled],
-                [r.generator for r in sampled],
-                outputs=[r.output_ids for r in sampled],
-                grammars=[r.grammar for r in sampled],
-                stop_ids=self._stop_ids,
-            )
+            out = self._sample(logits, tokens, sampled)
         except Exception as exc:  # one failed batch must not take the engine down
             if batch.kind is not BatchKind.DECODE and len(batch) > 1:
                 return [e for i, r in enumerate(requests) for e in self._run(batch.line(i), [r])]
@@ -201,6 +204,52 @@ class EngineCore:
                 continue
             events.append(self._accept(request, out.tokens[i], out.logprobs[i], top, prompt))
         return events
+
+    def _forward(
+        self, batch: StepBatch, requests: list[Request]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits, the device's tokens): a runner that samples on the device gets each line's
+        sampling inputs (``engine.device_sampling``), greedy for a line the host samples."""
+        device = self.capabilities.device_sampling
+        if device is None:
+            return self.runner.forward(batch), None
+        lines = [
+            GREEDY_LINE if host_field(r.params, device) is not None else line_sampling(r.params, device)
+            for r in requests
+        ]
+        step = self.runner.forward_sampled(batch, lines)
+        return step.logits, step.tokens
+
+    def _sample(
+        self, logits: torch.Tensor | None, tokens: torch.Tensor | None, requests: list[Request]
+    ) -> SampleOutput:
+        """The device's tokens where it could draw them; the host sampler for the other lines."""
+        device = self.capabilities.device_sampling
+        if device is None or tokens is None:
+            return self._host_sample(logits, requests)
+        host = [i for i, r in enumerate(requests) if host_field(r.params, device) is not None]
+        n = len(requests)
+        out = SampleOutput([int(t) for t in tokens.tolist()], [0.0] * n, [[]] * n, [[]] * n)
+        if host:
+            rows = logits[host] if logits is not None else None
+            part = self._host_sample(rows, [requests[i] for i in host])
+            for j, i in enumerate(host):
+                out.tokens[i], out.logprobs[i] = part.tokens[j], part.logprobs[j]
+                out.top_ids[i], out.top_logprobs[i] = part.top_ids[j], part.top_logprobs[j]
+        return out
+
+    def _host_sample(self, logits: torch.Tensor | None, requests: list[Request]) -> SampleOutput:
+        if logits is None:  # admission refuses such requests (make_request): never sampled greedy
+            raise RuntimeError(f"{type(self.runner).__name__} returned no logits to sample on the host")
+        return sample(
+            logits,
+            [r.params for r in requests],
+            [r.all_ids for r in requests],
+            [r.generator for r in requests],
+            outputs=[r.output_ids for r in requests],
+            grammars=[r.grammar for r in requests],
+            stop_ids=self._stop_ids,
+        )
 
     def _scored_prompt(self, request: Request) -> tuple[PromptToken, ...] | None:
         """The prompt with its log-probabilities, for the first event of a request that asked."""

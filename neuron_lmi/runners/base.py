@@ -61,6 +61,44 @@ class StepBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class LineSampling:
+    """What the device sampler draws one line's token from: the ``top_k`` most likely tokens, then
+    the ``top_p`` mass, at ``temperature`` (``top_k == 1``: the most likely token, greedy)."""
+
+    top_k: int = 1
+    top_p: float = 1.0
+    temperature: float = 1.0
+
+
+GREEDY_LINE = LineSampling()
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSampling:
+    """A runner whose device draws each line's token (``forward_sampled``).
+
+    ``per_line``: each line's ``LineSampling`` is honoured (else the device takes the most likely
+    token whatever is asked: greedy only). ``max_top_k``: the largest top-k it draws from; a request
+    with no top-k limit is drawn from these many most likely tokens. ``logits``: the logits come back
+    beside the tokens, so a line the device cannot sample for (log-probabilities, penalties, a
+    grammar, a seed...) is sampled on the host from them.
+    """
+
+    per_line: bool = True
+    max_top_k: int = 1
+    logits: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class SampledStep:
+    """A ``forward_sampled`` result: ``tokens`` long ``[len(batch)]``, the device's draw for each
+    line; ``logits`` fp32 ``[len(batch), vocab]`` where ``DeviceSampling.logits``, else None."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
 class RunnerCapabilities:
     """What a runner can do and what it asks of the step; read once when the engine is built.
 
@@ -75,12 +113,14 @@ class RunnerCapabilities:
     sliding-window ring cache any such write evicts a key the row still needs. The scheduler then
     puts the decodes before the step's new prompts, so a row being prefilled is never live during
     a decode and every running request steps in it.
+    ``device_sampling``: the device draws the tokens (``forward_sampled``); None: logits only.
     """
 
     extend: bool = False
     mixed_steps: bool = False
     prompt_logits: bool = False
     live_rows_step_together: bool = False
+    device_sampling: DeviceSampling | None = None
 
     def __post_init__(self) -> None:
         if self.mixed_steps and not self.extend:
@@ -94,8 +134,10 @@ class ModelRunner(Protocol):
     ``[len(batch), vocab]`` in the batch's line order, leaving each row ``starts[i] +
     len(chunks[i])`` positions long. ``copy`` (with ``capabilities.extend``) duplicates a row's
     first ``n`` positions into another allocated row; ``prompt_logits`` (with
-    ``capabilities.prompt_logits``) scores a prompt without touching any row. Nothing above the
-    runner knows bucket sizes or tensor layouts.
+    ``capabilities.prompt_logits``) scores a prompt without touching any row; ``forward_sampled``
+    (with ``capabilities.device_sampling``) computes the batch as ``forward`` does and draws line
+    ``i``'s token from ``sampling[i]`` on the device. Nothing above the runner knows bucket sizes or
+    tensor layouts.
     """
 
     rows: RowTable
@@ -108,6 +150,8 @@ class ModelRunner(Protocol):
     def copy(self, src: int, dst: int, n: int) -> None: ...
 
     def prompt_logits(self, prompt: Sequence[int]) -> torch.Tensor: ...
+
+    def forward_sampled(self, batch: StepBatch, sampling: Sequence[LineSampling]) -> SampledStep: ...
 
 
 class ForwardByKind:

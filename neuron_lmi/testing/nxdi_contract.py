@@ -23,7 +23,16 @@ here against the contract it drives on a device:
   keeps only the W-1 indices ending at its last position (``get_last_kv_window``): here the cache is
   the ring unrolled, every position ``q`` holding what slot ``q % (W-1)`` holds, so a write at p lands
   on every such q and a query's window reads exactly the ring's slots;
-* returns an object whose ``logits`` is float32 ``[n, 1, vocab]``.
+* returns an object whose ``logits`` is float32 ``[n, 1, vocab]``;
+* with on-device sampling (``on_device_sampling``: ``OnDeviceSamplingConfig``'s keys) each call takes
+  ``sampling_params`` ``[n, 3]`` (top_k, top_p, temperature; omitted: greedy), validated as
+  ``validate_sampling_params`` does (top_k an integer in [-1, global_topk], top_p in (0, 1],
+  temperature >= 0, temperature 0 only with top_k 1), and returns ``tokens`` int32 ``[n]``: with
+  ``dynamic`` or ``do_sample`` each row draws from its own ``global_topk`` most likely tokens cut to
+  its top_k (the rest set to -3000), divided by its temperature, cut to its top_p (the first token
+  always kept), by inverse CDF (``deterministic``: at 0.5); otherwise the argmax. ``logits`` is then
+  None unless ``output_logits`` (``modules/generation/sampling.py``, ``model_base.py``
+  ``_sample_on_device``/``_get_constructed_outputs``).
 
 Every one of these was checked against the library's own code on the CPU, call by call
 (``tests/backends/nxdi_library/test_contract_agreement.py``).
@@ -39,6 +48,7 @@ import copy
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,7 +61,42 @@ from neuron_lmi.models.llama import LlamaForCausalLM
 class CausalLMOutput:
     """The part of ``CausalLMOutputWithPast`` the runner reads."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
+    tokens: torch.Tensor | None = None
+
+
+IGNORED_LOGIT = -3000.0  # what the library's sampler puts past a row's top_k and top_p
+
+
+def validate_sampling_params(params: torch.Tensor, global_topk: int) -> None:
+    """What the library refuses (``modules/generation/sampling.py`` ``validate_sampling_params``)."""
+    if params.dim() != 2 or params.shape[1] != 3:
+        raise ValueError(f"Expected tensor of shape (batch_size, 3), but got {tuple(params.shape)}")
+    top_k, top_p, temperature = params.float().unbind(1)
+    if not bool(((top_k == -1) | ((top_k >= 0) & (top_k <= global_topk))).all()):
+        raise ValueError(f"Invalid top-k values found (global_topk={global_topk}): {top_k.tolist()}")
+    if not torch.equal(top_k, top_k.floor()):
+        raise ValueError(f"top-k values must be integers: {top_k.tolist()}")
+    if not bool(((top_p > 0.0) & (top_p <= 1.0)).all()):
+        raise ValueError(f"Invalid top-p values found: {top_p.tolist()}")
+    if not bool((temperature >= 0.0).all()):
+        raise ValueError(f"Invalid temperature values found: {temperature.tolist()}")
+    if bool(((temperature == 0.0) & (top_k <= 0)).any()):
+        raise ValueError("Temperature = 0 enables greedy sampling. Please set top_k to 1")
+
+
+def draw(logits: torch.Tensor, params: torch.Tensor, global_topk: int, rand: torch.Tensor) -> torch.Tensor:
+    """Each row's token from its (top_k, top_p, temperature) and a uniform number ``rand`` [n]."""
+    top_k, top_p, temperature = params.float()[:, :, None].unbind(1)
+    values, index = torch.topk(logits.float(), min(global_topk, logits.shape[-1]), dim=-1)
+    ranks = torch.arange(values.shape[-1])[None, :]
+    values = values.masked_fill(ranks >= top_k, IGNORED_LOGIT) / temperature
+    mass = torch.softmax(values, dim=-1).cumsum(dim=-1)
+    cut = (mass > torch.maximum(mass.min(), top_p)) & (ranks > 0)
+    cdf = torch.softmax(values.masked_fill(cut, IGNORED_LOGIT), dim=-1).cumsum(dim=-1)
+    cdf = cdf / cdf[:, -1:]
+    chosen = (rand[:, None] > cdf).sum(dim=-1, keepdim=True).clamp(max=values.shape[-1] - 1)
+    return index.gather(-1, chosen)[:, 0]
 
 
 class NxdiContractModel:
@@ -69,6 +114,9 @@ class NxdiContractModel:
         context_length_estimate: Sequence[int] | None = None,
         ignores_sliding_window: bool = False,
         pad_token_id: int = 0,
+        on_device_sampling: dict[str, Any] | None = None,
+        output_logits: bool = False,
+        seed: int = 0,
     ) -> None:
         if seq_len > model.n_positions:
             raise ValueError(f"seq_len={seq_len} exceeds the model's rotary table ({model.n_positions})")
@@ -88,6 +136,10 @@ class NxdiContractModel:
         for _ in range(batch_size):
             self.cache.rows.allocate()
         self.calls: list[tuple[str, tuple[int, ...]]] = []
+        self.on_device_sampling = on_device_sampling
+        self.output_logits = output_logits
+        self.generator = torch.Generator().manual_seed(seed)  # the device's own draws
+        self.sampling_params: list[torch.Tensor] = []  # each call's, as validated
 
     def __call__(
         self,
@@ -96,6 +148,7 @@ class NxdiContractModel:
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor,
         seq_ids: torch.Tensor | None = None,
+        sampling_params: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         if input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
             raise ValueError(
@@ -110,13 +163,42 @@ class NxdiContractModel:
             raise ValueError(f"seq_ids must be distinct rows in [0, {self.batch_size}), got {seq.tolist()}")
         if int(position_ids.max()) >= self.seq_len:
             raise ValueError(f"position {int(position_ids.max())} is past seq_len={self.seq_len}")
+        params = self._sampling_params(sampling_params, n)
         if int(position_ids.min()) == 0:
             self.calls.append(("context", tuple(input_ids.shape)))
-            return CausalLMOutput(self._context(input_ids, attention_mask, position_ids, seq))
+            return self._output(self._context(input_ids, attention_mask, position_ids, seq), params)
         if input_ids.shape[1] != 1:
             raise ValueError("several tokens at positions > 0 is speculation/chunked prefill: not modelled")
         self.calls.append(("token", tuple(input_ids.shape)))
-        return CausalLMOutput(self._token(input_ids, attention_mask, position_ids, seq))
+        return self._output(self._token(input_ids, attention_mask, position_ids, seq), params)
+
+    def _sampling_params(self, params: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        if self.on_device_sampling is None:
+            return None  # the library ignores them without on-device sampling
+        if params is None:  # default_sampling_params: greedy, batch_size rows (a shorter call fails)
+            params = torch.tensor([[1.0, 1.0, 1.0]]).expand(self.batch_size, 3)
+        validate_sampling_params(params, int(self.on_device_sampling.get("global_topk", 256)))
+        if params.shape[0] != n:
+            raise ValueError(f"sampling_params has {params.shape[0]} rows for {n} lines")
+        params = params.float().clone()
+        params[params[:, 2] == 0.0, :2] = 1.0  # infer_sampling_params: temperature 0 is greedy
+        self.sampling_params.append(params)
+        return params
+
+    def _output(self, logits: torch.Tensor, params: torch.Tensor | None) -> CausalLMOutput:
+        config = self.on_device_sampling
+        if config is None or params is None:
+            return CausalLMOutput(logits)
+        last = logits[:, -1, :]
+        if config.get("dynamic") or config.get("do_sample"):
+            n = last.shape[0]
+            rand = torch.rand(n, generator=self.generator)
+            if config.get("deterministic"):
+                rand = torch.full((n,), 0.5)
+            tokens = draw(last, params, int(config.get("global_topk", 256)), rand)
+        else:
+            tokens = last.argmax(dim=-1)
+        return CausalLMOutput(logits if self.output_logits else None, tokens.to(torch.int32))
 
     def _context(
         self, input_ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, seq: torch.Tensor

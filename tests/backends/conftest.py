@@ -20,7 +20,9 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def run_schedule(core: EngineCore, schedule: Sequence[tuple[int, int, int]]) -> dict[str, list[int]]:
+def run_schedule(
+    core: EngineCore, schedule: Sequence[tuple[int, int, int]], logprobs: bool = True
+) -> dict[str, list[int]]:
     """Run ``core`` until idle, adding request ``r{i}`` at step ``at`` with a random prompt of
     ``length`` tokens (seeded) and ``new`` greedy tokens (EOS ignored); returns each one's output ids."""
     generator = torch.Generator().manual_seed(0)
@@ -31,7 +33,9 @@ def run_schedule(core: EngineCore, schedule: Sequence[tuple[int, int, int]]) -> 
             if at == step:
                 prompt = torch.randint(3, 49000, (length,), generator=generator).tolist()
                 request = core.make_request(
-                    prompt, SamplingParams(max_new_tokens=new, ignore_eos=True), request_id=f"r{i}"
+                    prompt,
+                    SamplingParams(max_new_tokens=new, ignore_eos=True, logprobs=logprobs),
+                    request_id=f"r{i}",
                 )
                 outputs[request.request_id] = request.output_ids
                 core.add(request)

@@ -163,7 +163,8 @@ def test_the_trn2_tuned_profile_is_the_cards_set(tmp_path: Path) -> None:
     assert {k: kwargs[k] for k in TRN2_TUNED} == dict(TRN2_TUNED)
     assert kwargs["tp_degree"] == 64 and kwargs["torch_dtype"] == "bfloat16"
     assert kwargs["context_encoding_buckets"] == [256, 512, 1024, 2048, 4096, 8192, 10240, 12288, 16384]
-    assert "async_mode" not in kwargs and "on_device_sampling_config" not in kwargs
+    assert "async_mode" not in kwargs  # on-device sampling is on for every target, not the profile's
+    assert kwargs["on_device_sampling_config"]["dynamic"] is True and kwargs["output_logits"] is True
     described = planned.describe()
     assert described["profile"] == "trn2-tuned" and set(described["profile_left_out"]) == set(
         PROFILE_LEFT_OUT

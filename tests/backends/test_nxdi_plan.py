@@ -85,6 +85,10 @@ def test_llama_2_70b_tp24_on_inf2_48xlarge(tmp_path: Path) -> None:
         "context_encoding_buckets": [128, 256, 512, 1024, 2048, 4096],
         "token_generation_buckets": [128, 256, 512, 1024, 2048, 4096],
         "fused_qkv": True, "padding_side": "right", "save_sharded_checkpoint": False,
+        "on_device_sampling_config": {  # AWS's serving default, with logits kept for the host
+            "dynamic": True, "do_sample": True, "deterministic": False, "global_topk": 256,
+        },
+        "output_logits": True,
     }  # fmt: skip
     assert kwargs["torch_dtype"] is torch.float16  # a dtype object: NxD Inference refuses "fp16"
     assert plan.application.application == "NeuronLlamaForCausalLM"

@@ -18,12 +18,13 @@ import torch
 
 from neuron_lmi.backends.common import eos_ids_for
 from neuron_lmi.backends.cpu.runner import CpuRunner
+from neuron_lmi.backends.nxdi.plan import ON_DEVICE_SAMPLING
 from neuron_lmi.backends.nxdi.runner import NxdiRunner, build_nxdi_runner
 from neuron_lmi.config import load_config
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint, load_tokenizer
-from neuron_lmi.runners.base import RunnerCapabilities
+from neuron_lmi.runners.base import DeviceSampling, RunnerCapabilities
 from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
 from neuron_lmi.testing.nxdi_contract import NxdiContractModel
 from tests.backends.conftest import run_schedule
@@ -67,20 +68,38 @@ def windowless(model: Any) -> Any:
     return plain
 
 
-def test_nxdi_runner_on_the_contract_matches_the_cpu_engine(checkpoint: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sampling", ["on-device", "host"])
+def test_nxdi_runner_on_the_contract_matches_the_cpu_engine(
+    checkpoint: Path, tmp_path: Path, sampling: str
+) -> None:
+    """On-device (the default; no log-probabilities asked, so the device's tokens are used) and host."""
     model, tokenizer, eos = load(checkpoint)
     ignores_window = model.args.moe is not None  # NxD Inference's Mixtral never reads sliding_window
     reference = windowless(model) if ignores_window else model
     expected = run_schedule(EngineCore(CpuRunner(reference, N_ROWS, N_POSITIONS), tokenizer, eos), SCHEDULE)
 
+    device = sampling == "on-device"
     contract = NxdiContractModel(
-        model, N_ROWS, N_POSITIONS, context_length_estimate=(8, 16), ignores_sliding_window=ignores_window
+        model,
+        N_ROWS,
+        N_POSITIONS,
+        context_length_estimate=(8, 16),
+        ignores_sliding_window=ignores_window,
+        on_device_sampling=dict(ON_DEVICE_SAMPLING) if device else None,
+        output_logits=device,
     )
-    resolved = load_config(properties_path=properties(tmp_path, checkpoint), env={})
+    props = properties(tmp_path, checkpoint)
+    if not device:
+        props.write_text(props.read_text() + "option.on_device_sampling=false\n", encoding="utf-8")
+    resolved = load_config(properties_path=props, env={})
     runner = build_nxdi_runner(resolved.config, str(checkpoint), cache=None, model=contract)
-    got = run_schedule(EngineCore(runner, tokenizer, eos), SCHEDULE)
+    assert (runner.capabilities.device_sampling is not None) is device
+    got = run_schedule(EngineCore(runner, tokenizer, eos), SCHEDULE, logprobs=not device)
 
     assert got == expected
+    # every call carried greedy sampling_params (top_k 1) on the device, none on the host
+    assert bool(contract.sampling_params) is device
+    assert all(bool((p[:, 0] == 1).all()) for p in contract.sampling_params)
     assert all(len(got[f"r{i}"]) == new for i, (_, _, new) in enumerate(SCHEDULE))
     assert {kind for kind, _ in contract.calls} == {"context", "token"}
     # One prompt per context call (ctx_batch_size=1), whole prompts: no token-by-token prefill; a
@@ -145,7 +164,7 @@ def test_on_device_sampling_tokens_become_one_hot_logits(llama: Any) -> None:
             n = kwargs["input_ids"].shape[0]
             return type("Out", (), {"logits": None, "tokens": torch.arange(n, dtype=torch.int32) + 40})()
 
-    runner = NxdiRunner(TokensOnly(), 2, N_POSITIONS, llama.args.vocab_size, on_device_sampling=True)
+    runner = NxdiRunner(TokensOnly(), 2, N_POSITIONS, llama.args.vocab_size, DeviceSampling(logits=False))
     row = runner.rows.allocate()
     logits = runner.prefill([row], [[1, 2, 3]])
     assert int(logits.argmax(-1)[0]) == 40

@@ -59,8 +59,8 @@ PROFILE_LEFT_OUT: Mapping[str, str] = MappingProxyType(
     {
         "async_mode": "needs on-device sampling and a runner that overlaps steps; NxdiRunner waits for "
         "each step's output",
-        "on_device_sampling_config": "the card samples on the device (do_sample, dynamic); "
-        "option.on_device_sampling here is greedy only, so a sampled request would turn greedy",
+        "on_device_sampling_config": "on by default for every target (option.on_device_sampling: "
+        "dynamic, per-row sampling_params, output_logits for host-sampled rows), not a profile key",
         "kv_cache_tiling": "not a NeuronConfig keyword (the library derives it and drops the card's key); "
         "attn_block_tkg_nki_kernel_cache_update already turns it off",
     }

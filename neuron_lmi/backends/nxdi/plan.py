@@ -29,7 +29,10 @@ window in either release. Checked against the library itself on the CPU
     logical_nc_config             logical_nc_config (2 on trn2)
     nxdi_profile=trn2-tuned       the kernels and layout of AWS's tuned trn2 set (``defaults``)
     save_sharded_checkpoint       save_sharded_checkpoint
-    on_device_sampling            on_device_sampling_config (greedy on device), else logits to the host
+    on_device_sampling (default)  on_device_sampling_config={dynamic, do_sample, deterministic=False,
+                                  global_topk=256} and output_logits=True: per-row top_k/top_p/
+                                  temperature drawn on the device, logits kept for host sampling
+                                  (``NxdiRunner``, ``engine.device_sampling``); false: logits only
     override_neuron_config        merged last, every key kept; keys NeuronConfig does not know are
                                   reported (NxD only logs "Unexpected keyword arguments" and goes on)
     override on_cpu=true          NxD Inference's modeling code on the CPU (``to_cpu``): one rank, one
@@ -71,8 +74,13 @@ from neuron_lmi.backends.nxdi.support import (
 
 if TYPE_CHECKING:
     from neuron_lmi.config.options import ServingConfig
+    from neuron_lmi.runners.base import DeviceSampling
 
 MIN_BUCKET = 128
+DEFAULT_GLOBAL_TOPK = 256  # OnDeviceSamplingConfig's global_topk default (models/config.py)
+ON_DEVICE_SAMPLING: Mapping[str, Any] = MappingProxyType(
+    {"dynamic": True, "do_sample": True, "deterministic": False, "global_topk": DEFAULT_GLOBAL_TOPK}
+)
 TORCH_DTYPES = MappingProxyType({"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"})
 DTYPE_NAMES = MappingProxyType({torch_name: name for name, torch_name in TORCH_DTYPES.items()})
 # option.quantize -> NxD Inference's weight quantization dtype; static_int8 is LMI's tnx spelling.
@@ -118,6 +126,19 @@ class NxdiPlan:
         out = dict(self.neuron_config)
         out["torch_dtype"] = getattr(torch, out["torch_dtype"])
         return out
+
+    def device_sampling(self) -> DeviceSampling | None:
+        """What the application's sampler does, read from the final keyword arguments (overrides
+        included): ``dynamic`` or ``do_sample`` draw per row (``modules/generation/sampling.py``
+        ``Sampler.forward``), else argmax only; rows draw from at most ``global_topk`` tokens."""
+        from neuron_lmi.runners.base import DeviceSampling  # torch: not for a dry run's plan
+
+        config = self.neuron_config.get("on_device_sampling_config")
+        if config is None:
+            return None
+        per_line = bool(config.get("dynamic") or config.get("do_sample"))
+        top_k = int(config.get("global_topk", DEFAULT_GLOBAL_TOPK)) if per_line else 1
+        return DeviceSampling(per_line, top_k, bool(self.neuron_config.get("output_logits")))
 
     def key_args(self) -> dict[str, Any]:
         """What the compile-cache key hashes besides the shared fields: classes and every argument."""
@@ -294,8 +315,10 @@ def _neuron_kwargs(
     if neuron.logical_nc_config is not None:
         kwargs["logical_nc_config"] = neuron.logical_nc_config
     if neuron.on_device_sampling:
-        # Greedy on the device; only the chosen token comes back (see NxdiRunner).
-        kwargs["on_device_sampling_config"] = {"do_sample": False, "top_k": 1, "dynamic": False}
+        # AWS's serving default (vLLM's NxD Inference loader: dynamic, not deterministic), each row
+        # drawing from its own sampling_params; logits still come back for the rows the host samples.
+        kwargs["on_device_sampling_config"] = dict(ON_DEVICE_SAMPLING)
+        kwargs["output_logits"] = True
     kwargs.update(overrides)
     return kwargs, profile
 

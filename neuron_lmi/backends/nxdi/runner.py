@@ -16,14 +16,17 @@ The contract it drives (aws-neuron/neuronx-distributed-inference 0.8 and 0.9, ``
                          so rows must go in seq_id order
       sliding window W   a ring of W-1 live slots per row: position p is written into slot p % (W-1)
       out.logits         float32 [n, 1, vocab] at the last real token (no on-device sampling); with
-                         on-device sampling ``logits`` is None and ``tokens`` hold ids
+                         on-device sampling ``tokens`` hold int32 ids drawn from each line's
+                         ``sampling_params`` [n, 3] (top_k, top_p, temperature), and ``logits`` is
+                         None unless ``output_logits``
 
 Consequences handled here:
 
 * A prompt of one or two tokens would lose (or tie) the ``argmax`` to the library's padding positions
   of 1, and come back with a pad slot's logits. It is sent already padded to the largest bucket, its
   padding at position 0, so the library pads nothing and its last real token holds the maximum.
-* Rows are always sent sorted by seq_id.
+* Rows are always sent sorted by seq_id. With on-device sampling a partial token batch is completed
+  here as the library completes it on a device (its CPU mode fails on one with ``output_logits``).
 * Every live row must be written harmlessly. The engine decodes every live row in each call
   (``RunnerCapabilities.live_rows_step_together``); a live row not asked all the same rides along: at its
   next, unwritten position where that slot holds nothing it needs (no window, or fewer than W-1
@@ -35,6 +38,7 @@ Consequences handled here:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -46,7 +50,16 @@ import torch
 from cache_api import RowTable
 from neuron_lmi.backends.nxdi.defaults import apply_environment
 from neuron_lmi.backends.row_batch import PAD_TOKEN_ID, check_prompts, token_batch
-from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities
+from neuron_lmi.runners.base import (
+    GREEDY_LINE,
+    BatchKind,
+    DeviceSampling,
+    ForwardByKind,
+    LineSampling,
+    RunnerCapabilities,
+    SampledStep,
+    StepBatch,
+)
 
 if TYPE_CHECKING:
     from compile_cache import CompileCache
@@ -71,6 +84,7 @@ class CausalLMApplication(Protocol):
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         seq_ids: torch.Tensor,
+        sampling_params: torch.Tensor | None = None,
     ) -> Any: ...
 
 
@@ -79,9 +93,11 @@ class NxdiRunner(ForwardByKind):
 
     Invariants: ``rows`` is the only record of which device rows hold what; every token-generation call
     lists seq_ids in ascending order; no call writes a slot a live row still reads; logits come back
-    fp32 ``[len(rows), vocab_size]`` in the order asked. With ``on_device_sampling`` the device
-    returns only its (greedy) token, which becomes a one-hot logits row: the host sampler then takes
-    that token, and log-probabilities are not available.
+    fp32 ``[len(rows), vocab_size]`` in the order asked. With ``device_sampling`` every call carries
+    ``sampling_params`` ``[n, 3]`` (top_k, top_p, temperature per line; a line riding along, greedy)
+    and ``forward_sampled`` returns the device's tokens, with the logits where the application was
+    built with ``output_logits``. ``forward`` alone asks greedy lines; without logits it returns the
+    device's token as a one-hot logits row.
     """
 
     capabilities = RunnerCapabilities(live_rows_step_together=True)
@@ -92,7 +108,7 @@ class NxdiRunner(ForwardByKind):
         n_rows: int,
         n_positions: int,
         vocab_size: int,
-        on_device_sampling: bool = False,
+        device_sampling: DeviceSampling | None = None,
         largest_context_bucket: int | None = None,
         sliding_window: int | None = None,
         dtype: str | None = None,
@@ -101,23 +117,43 @@ class NxdiRunner(ForwardByKind):
         self.rows = RowTable(n_rows, n_positions)
         self.n_positions = n_positions
         self.vocab_size = vocab_size
-        self.on_device_sampling = on_device_sampling
+        self.device_sampling = device_sampling
+        if device_sampling is not None:
+            self.capabilities = dataclasses.replace(self.capabilities, device_sampling=device_sampling)
         self.largest_context_bucket = largest_context_bucket or n_positions
         self.sliding_window = sliding_window
         self.dtype = dtype  # what the application computes in (reported as the model's dtype)
         self._last_token: dict[int, int] = {}  # row -> the token written at its last position
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        check_prompts(self.rows, rows, prompts, self.n_positions)
-        logits = torch.empty(len(rows), self.vocab_size)
-        for i, (row, prompt) in enumerate(zip(rows, prompts, strict=True)):
-            logits[i] = self._context(row, list(prompt))[0]
-        return logits
+        return self._as_logits(self._prefill(rows, prompts, [GREEDY_LINE] * len(rows)))
 
     def decode(self, rows: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
-        return self._token_step(list(rows), list(tokens))
+        return self._as_logits(self._token_step(list(rows), list(tokens), [GREEDY_LINE] * len(rows)))
 
-    def _context(self, row: int, prompt: list[int]) -> torch.Tensor:
+    def forward_sampled(self, batch: StepBatch, sampling: Sequence[LineSampling]) -> SampledStep:
+        if self.device_sampling is None:
+            raise RuntimeError("this NxD Inference application does not sample on the device")
+        if len(sampling) != len(batch):
+            raise ValueError(f"{len(sampling)} sampling lines for a batch of {len(batch)}")
+        if batch.kind is BatchKind.DECODE:
+            return self._token_step(list(batch.rows), [c[0] for c in batch.chunks], list(sampling))
+        if batch.kind is BatchKind.PREFILL:
+            return self._prefill(batch.rows, batch.chunks, list(sampling))
+        raise ValueError("NxdiRunner has no EXTEND graph (capabilities.extend is False)")
+
+    def _prefill(
+        self, rows: Sequence[int], prompts: Sequence[Sequence[int]], lines: list[LineSampling]
+    ) -> SampledStep:
+        check_prompts(self.rows, rows, prompts, self.n_positions)
+        steps = [self._context(row, list(p), line) for row, p, line in zip(rows, prompts, lines, strict=True)]
+        logits = [s.logits for s in steps]
+        return SampledStep(
+            torch.cat([s.tokens for s in steps]),
+            torch.cat(logits) if all(x is not None for x in logits) else None,  # type: ignore[arg-type]
+        )
+
+    def _context(self, row: int, prompt: list[int], line: LineSampling) -> SampledStep:
         length = len(prompt)
         width = length
         if length < SELF_PADDED_BELOW:
@@ -128,13 +164,11 @@ class NxdiRunner(ForwardByKind):
         mask[0, :length] = 1
         positions = torch.zeros(1, width, dtype=torch.long)
         positions[0, :length] = torch.arange(length)
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=ids, attention_mask=mask, position_ids=positions, seq_ids=torch.tensor([row])
-            )
+        seq_ids = torch.tensor([row])
+        out = self._call(ids, mask, positions, seq_ids, [line])
         self.rows.set_length(row, length)
         self._last_token[row] = prompt[-1]
-        return self._logits(out, 1)
+        return self._outputs(out, seq_ids)
 
     def _rider(self, row: int) -> tuple[int, int] | None:
         """What a live row not asked to step writes (see the module docstring)."""
@@ -148,41 +182,84 @@ class NxdiRunner(ForwardByKind):
             log.error("row %d rides along past its sliding window: its ring cache is rewritten", row)
         return self._last_token[row], length - 1
 
-    def _token_step(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
+    def _token_step(self, rows: list[int], tokens: list[int], lines: list[LineSampling]) -> SampledStep:
         batch = token_batch(self.rows, rows, tokens, self.n_positions, rider=self._rider)
         position_ids = batch.positions[:, None]
+        laid_out = [lines[i] if i < batch.asked else GREEDY_LINE for i in batch.order]
+        ids, seq_ids, kept = batch.tokens, batch.seq_ids, list(range(len(batch.seq_ids)))
+        if self.device_sampling is not None and len(seq_ids) < self.rows.n_rows:
+            ids, position_ids, seq_ids, laid_out, kept = self._completed(ids, position_ids, seq_ids, laid_out)
         attention_mask = (torch.arange(int(position_ids.max()))[None, :] < position_ids).long()
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=batch.tokens[:, None],
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                seq_ids=batch.seq_ids,
-            )
+        out = self._call(ids[:, None], attention_mask, position_ids, seq_ids, laid_out)
         self._last_token.update(zip(rows, tokens, strict=True))
-        return batch.restore(self._logits(out, len(batch.order)))
+        step = self._outputs(out, seq_ids)
+        logits = batch.restore(step.logits[kept]) if step.logits is not None else None
+        return SampledStep(batch.restore(step.tokens[kept][:, None])[:, 0], logits)
 
-    def _logits(self, out: Any, n: int) -> torch.Tensor:
-        logits = getattr(out, "logits", out)
-        if logits is None:
-            return self._one_hot(out, n)
-        if logits.dim() == 3:
-            logits = logits[:, -1, :]
-        if logits.dim() != 2 or logits.shape[0] != n or logits.shape[1] < self.vocab_size:
-            raise RuntimeError(
-                f"model returned logits {tuple(logits.shape)}, expected [{n}, 1, {self.vocab_size}]"
+    def _completed(
+        self, ids: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor, lines: list[LineSampling]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[LineSampling], list[int]]:
+        """A partial batch completed as the library completes it on a device (copies of its first line
+        for the missing seq_ids, which hold no live row), so the library sees a full batch: in its CPU
+        mode a partial batch with ``output_logits`` writes the logits into the KV cache
+        (``model_wrapper.py`` unpacks ``logits, *kv_caches`` from three kinds of output) and fails.
+        Returns the full call and where the asked lines sit in it."""
+        present = seq_ids.tolist()
+        every = present + [r for r in range(self.rows.n_rows) if r not in set(present)]
+        order = sorted(range(len(every)), key=every.__getitem__)
+        first = [i if i < len(present) else 0 for i in order]
+        kept = [j for j, i in enumerate(order) if i < len(present)]
+        lines = [lines[i] if i < len(present) else GREEDY_LINE for i in order]
+        return ids[first], positions[first], torch.tensor(sorted(every)), lines, kept
+
+    def _call(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        seq_ids: torch.Tensor,
+        lines: list[LineSampling],
+    ) -> Any:
+        extra: dict[str, torch.Tensor] = {}
+        if self.device_sampling is not None:  # the library's sampling_params: [n, 3] float32
+            extra["sampling_params"] = torch.tensor(
+                [[line.top_k, line.top_p, line.temperature] for line in lines], dtype=torch.float32
             )
-        return logits[:, : self.vocab_size].float()
+        with torch.inference_mode():
+            return self.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, seq_ids=seq_ids, **extra
+            )
 
-    def _one_hot(self, out: Any, n: int) -> torch.Tensor:
+    def _outputs(self, out: Any, seq_ids: torch.Tensor) -> SampledStep:
+        """(tokens, logits) of one call of ``n = len(seq_ids)`` lines. Without on-device sampling the
+        tokens are the logits' argmax; with it, ``out.tokens`` (int32 ``[n]``) and ``out.logits`` only
+        with ``output_logits``."""
+        n = len(seq_ids)
+        logits = getattr(out, "logits", out)
+        if logits is not None:
+            if logits.dim() == 3:
+                logits = logits[:, -1, :]
+            if logits.dim() != 2 or logits.shape[0] != n or logits.shape[1] < self.vocab_size:
+                raise RuntimeError(
+                    f"model returned logits {tuple(logits.shape)}, expected [{n}, 1, {self.vocab_size}]"
+                )
+            logits = logits[:, : self.vocab_size].float()
+        if self.device_sampling is None:
+            if logits is None:
+                raise RuntimeError("model returned no logits")
+            return SampledStep(logits.argmax(-1), logits)
         tokens = getattr(out, "tokens", None)
         if tokens is None:
-            tokens = getattr(out, "hidden_states", None)
-        if tokens is None:
-            raise RuntimeError("model returned neither logits nor tokens")
-        ids = torch.as_tensor(tokens).reshape(-1)[:n].long()
+            raise RuntimeError("model returned no tokens (on-device sampling)")
+        return SampledStep(torch.as_tensor(tokens).reshape(-1)[:n].long(), logits)
+
+    def _as_logits(self, step: SampledStep) -> torch.Tensor:
+        """``forward``'s logits: the device's token as a one-hot row where no logits came back."""
+        if step.logits is not None:
+            return step.logits
+        n = len(step.tokens)
         logits = torch.full((n, self.vocab_size), float("-inf"))
-        logits[torch.arange(n), ids] = 0.0
+        logits[torch.arange(n), step.tokens] = 0.0
         return logits
 
 
@@ -243,7 +320,7 @@ def runner_for(model: CausalLMApplication, plan: NxdiPlan, vocab_size: int) -> N
         plan.batch_size,
         plan.n_positions,
         vocab_size,
-        plan.on_device_sampling,
+        plan.device_sampling(),
         largest_context_bucket=plan.context_buckets[-1],
         sliding_window=plan.sliding_window,
         dtype=plan.dtype,

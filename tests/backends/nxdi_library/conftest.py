@@ -126,6 +126,9 @@ def probe_forward(app: Any) -> Any:
             attention_mask=torch.ones(1, 3, dtype=torch.long),
             position_ids=torch.arange(3)[None],
             seq_ids=torch.tensor([0]),
+            # with on-device sampling (the default) the library's own default has batch_size rows,
+            # which a one-line call cannot use; without it the library ignores them
+            sampling_params=torch.tensor([[1.0, 1.0, 1.0]]),
         )
 
 

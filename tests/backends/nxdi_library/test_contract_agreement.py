@@ -68,9 +68,34 @@ def call_sequence(seed: int, vocab: int) -> list[dict[str, torch.Tensor]]:
     return calls
 
 
+def completed(call: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A partial token call completed with copies of its first line for the missing seq_ids, sorted."""
+    present = call["seq_ids"].tolist()
+    if int(call["position_ids"].min()) == 0 or len(present) == ROWS:  # a context call, a full batch
+        return call
+    every = present + [r for r in range(ROWS) if r not in present]
+    first = [i if i < len(present) else 0 for i in sorted(range(ROWS), key=every.__getitem__)]
+    return {
+        "input_ids": call["input_ids"][first],
+        "attention_mask": call["attention_mask"][first],
+        "position_ids": call["position_ids"][first],
+        "seq_ids": torch.tensor(sorted(every)),
+    }
+
+
+@pytest.mark.parametrize("sampling", ["host", "on-device"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_contract_model_agrees_with_the_library_call_by_call(checkpoint: Path, seed: int) -> None:
-    plan, _ = nxdi_plan(checkpoint, ROWS, N_POSITIONS)
+def test_contract_model_agrees_with_the_library_call_by_call(
+    checkpoint: Path, seed: int, sampling: str
+) -> None:
+    """On the device's path (the default) greedy ``sampling_params`` go with every call and the tokens
+    must agree too. Token calls go as full batches, completed as the library completes them on a
+    device and as ``NxdiRunner`` sends them (its CPU mode fails on a partial one with logits:
+    ``test_device_sampling.py``)."""
+    device = sampling == "on-device"
+    plan, _ = nxdi_plan(
+        checkpoint, ROWS, N_POSITIONS, extra="" if device else "option.on_device_sampling=false\n"
+    )
     real = on_cpu_application(plan)
     ckpt = load_checkpoint(checkpoint, dtype=torch.float32)
     model = build_model(ckpt.config, ckpt.state_dict, n_positions=N_POSITIONS)
@@ -81,12 +106,20 @@ def test_contract_model_agrees_with_the_library_call_by_call(checkpoint: Path, s
         (N_POSITIONS,),
         ignores_sliding_window=plan.sliding_window is None,
         pad_token_id=int(getattr(real.config, "pad_token_id", None) or 0),
+        on_device_sampling=plan.neuron_config.get("on_device_sampling_config"),
+        output_logits=bool(plan.neuron_config.get("output_logits")),
     )
     kinds = set()
     for i, call in enumerate(call_sequence(seed, model.args.vocab_size)):
+        if device:
+            call = completed(call)
+            call["sampling_params"] = torch.ones(len(call["seq_ids"]), 3)  # greedy: top_k 1
         with torch.inference_mode():
-            want = real(**call).logits
-        got = contract(**call).logits
+            out = real(**call)
+        answer = contract(**call)
+        want, got = out.logits, answer.logits
+        if device:
+            assert torch.equal(answer.tokens, out.tokens), f"call {i}"
         kinds.add(contract.calls[-1][0])
         assert got.shape == want.shape, f"call {i}"
         torch.testing.assert_close(got, want.float(), rtol=0, atol=1e-4, msg=lambda m, i=i: f"call {i}: {m}")
@@ -95,7 +128,7 @@ def test_contract_model_agrees_with_the_library_call_by_call(checkpoint: Path, s
 
 def test_a_one_token_prompt_returns_a_padding_slot(checkpoint: Path) -> None:
     """The library's own behaviour, which the contract keeps and the runner works around."""
-    plan, _ = nxdi_plan(checkpoint, ROWS, N_POSITIONS)
+    plan, _ = nxdi_plan(checkpoint, ROWS, N_POSITIONS, extra="option.on_device_sampling=false\n")
     real = on_cpu_application(plan)
     ckpt = load_checkpoint(checkpoint, dtype=torch.float32)
     model = build_model(ckpt.config, ckpt.state_dict, n_positions=N_POSITIONS)

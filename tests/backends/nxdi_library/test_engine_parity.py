@@ -56,9 +56,10 @@ def reference(checkpoint: Path, plan: Any) -> tuple[Any, Any, list[int]]:
 
 @pytest.mark.parametrize("sampling", ["host", "on-device"])
 def test_the_runner_on_the_library_gives_the_cpu_engine_tokens(checkpoint: Path, sampling: str) -> None:
-    extra = "option.on_device_sampling=true\n" if sampling == "on-device" else ""
+    device = sampling == "on-device"  # the default; without log-probabilities the device's tokens count
+    extra = "" if device else "option.on_device_sampling=false\n"
     plan, _ = nxdi_plan(checkpoint, ROWS, N_POSITIONS, extra=extra)
-    assert plan.on_device_sampling == (sampling == "on-device")
+    assert plan.on_device_sampling == device
     model, tokenizer, eos = reference(checkpoint, plan)
     expected = run_schedule(EngineCore(CpuRunner(model, ROWS, N_POSITIONS), tokenizer, eos), SCHEDULE)
 
@@ -73,7 +74,7 @@ def test_the_runner_on_the_library_gives_the_cpu_engine_tokens(checkpoint: Path,
         return write
 
     runner._rider = counted  # type: ignore[method-assign]
-    got = run_schedule(EngineCore(runner, tokenizer, eos), SCHEDULE)
+    got = run_schedule(EngineCore(runner, tokenizer, eos), SCHEDULE, logprobs=not device)
 
     assert got == expected
     assert riders == []  # the engine decodes every live row in every call: nothing rides

@@ -59,6 +59,11 @@ DEPLOYMENTS = {
         "option.tensor_parallel_degree=8\noption.max_rolling_batch_size=8\noption.dtype=bf16\n"
         "option.on_device_sampling=true\noption.n_positions=1024\n",
     ),
+    "llama-3-8b-host-sampling": (
+        LLAMA_3_8B,
+        "option.tensor_parallel_degree=8\noption.max_rolling_batch_size=8\noption.dtype=bf16\n"
+        "option.on_device_sampling=false\noption.n_positions=1024\n",
+    ),
     "llama-3.3-70b-trn2-tuned": (LLAMA_3_3_70B, TRN2_TUNED_70B),
     "mistral-7b-on-cpu": (
         MISTRAL_7B,
@@ -97,9 +102,11 @@ def test_the_library_takes_every_keyword_we_pass(
         if key in ("on_device_sampling_config", "quantized_checkpoints_path"):
             continue
         assert getattr(built, key) == value, key
-    if plan.on_device_sampling:
-        assert built.on_device_sampling_config is not None
-        assert built.on_device_sampling_config.do_sample is False
+    if plan.on_device_sampling:  # every key of ours is an OnDeviceSamplingConfig attribute, as given
+        sampling = built.on_device_sampling_config
+        for key, value in plan.neuron_config["on_device_sampling_config"].items():
+            assert getattr(sampling, key) == value, key
+        assert built.output_logits is True and plan.device_sampling() is not None
     assert app.config.head_dim == config["hidden_size"] // config["num_attention_heads"]
     assert built.torch_dtype == plan.kwargs()["torch_dtype"]
     assert isinstance(built.torch_dtype, torch.dtype)
