@@ -155,13 +155,21 @@ def linear_op(library: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tens
     return getattr(torch.ops.neuron_lmi, f"{library}_linear")
 
 
+def dtypes(library: str) -> tuple[torch.dtype, ...]:
+    """The weights ``library`` packs on this host: oneDNN's bf16 only where oneDNN runs bf16
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only CPU its reorder refuses bf16 weights)."""
+    if library == "onednn" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return (torch.float32,)
+    return DTYPES[library]
+
+
 def tracing_packed_linears(
     library: str | None, dtype: torch.dtype = torch.float32
 ) -> AbstractContextManager[None]:
     """While tracing, dense 2-D ``dtype`` weights multiply through ``library``'s op (None: ``F.linear``)."""
     if library is None:
         return nullcontext()
-    if dtype not in DTYPES[library]:
-        takes = ", ".join(map(str, DTYPES[library]))
+    if dtype not in dtypes(library):
+        takes = ", ".join(map(str, dtypes(library)))
         raise ValueError(f"{op_name(library)} takes {takes} weights, not {dtype}")
     return dense_linear_kernel(linear_op(library), dtype)

@@ -71,13 +71,20 @@ def test_equals_f_linear_for_any_row_count(library: str, shape: tuple[int, ...])
 
 @pytest.mark.skipif(not packed_linear.available("onednn"), reason="no oneDNN here")
 def test_onednn_takes_bf16_weights_and_tracing_refuses_what_a_library_cannot_pack() -> None:
+    """oneDNN packs bf16 where it runs bf16 (AVX-512 BW/VL/DQ, AVX-NE-CONVERT); on an AVX2-only CPU
+    it does not, and tracing refuses it there as it refuses MKL's bf16 everywhere."""
+    with pytest.raises(ValueError, match=r"neuron_lmi::mkl_linear takes torch\.float32 weights"):
+        packed_linear.tracing_packed_linears("mkl", torch.bfloat16)
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert packed_linear.dtypes("onednn") == (torch.float32,)
+        with pytest.raises(ValueError, match=r"neuron_lmi::onednn_linear takes torch\.float32 weights"):
+            packed_linear.tracing_packed_linears("onednn", torch.bfloat16)
+        return
     torch.manual_seed(3)
     weight, x = torch.randn(48, 64).bfloat16(), torch.randn(5, 64).bfloat16()
     got = packed_linear.linear_op("onednn")(x, weight)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-2, atol=1e-2)
-    with pytest.raises(ValueError, match=r"neuron_lmi::mkl_linear takes torch\.float32 weights"):
-        packed_linear.tracing_packed_linears("mkl", torch.bfloat16)
 
 
 @pytest.mark.parametrize("library", LIBRARIES)

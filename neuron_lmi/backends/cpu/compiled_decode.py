@@ -54,7 +54,6 @@ from neuron_lmi.engine.scheduler import DEFAULT_STEP_TOKENS
 from neuron_lmi.models import host_isa, native, packed_linear
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.models.native import host_cpu_flags
-from neuron_lmi.models.packed import packing_pays
 from neuron_lmi.models.quant import (
     Int4Linear,
     Int8Linear,
@@ -145,9 +144,9 @@ def packed_gemm_library(model: LlamaForCausalLM, graph: str) -> str | None:
     fp32: the decode calls the host's (``packed_linear.host_library``). The extend calls oneDNN's where
     that is the host's; on Intel it keeps ATen's GEMM, which MKL's packs did not beat there.
 
-    bf16: oneDNN's where it is the host's library and runs bf16 (``packed.packing_pays``: AVX-512
-    BW/VL/DQ or AVX-NE-CONVERT); on Intel, and on CPUs with AVX2 only, Inductor's templates and
-    ATen's GEMM, autotuned. (Measurements: docs/measurements.md.)
+    bf16: oneDNN's where it is the host's library and packs bf16 (``packed_linear.dtypes``); on
+    Intel, and on CPUs with AVX2 only, Inductor's templates and ATen's GEMM, autotuned.
+    (Measurements: docs/measurements.md.)
 
     A weight goes through the op where ``quant.linear`` routes it: a 2-D tensor of the model's dtype
     (not an expert stack, not a quantized weight)."""
@@ -157,8 +156,12 @@ def packed_gemm_library(model: LlamaForCausalLM, graph: str) -> str | None:
     library = packed_linear.host_library()
     if model.dtype == torch.float32 and (graph == CompiledDecode.graph or library == "onednn"):
         return library
-    if model.dtype == torch.bfloat16 and library == "onednn" and packing_pays(torch.bfloat16):
-        return library  # not on a CPU without oneDNN's bf16 (AVX2 only): its reorder refuses bf16
+    if (
+        model.dtype == torch.bfloat16
+        and library == "onednn"
+        and torch.bfloat16 in packed_linear.dtypes(library)
+    ):
+        return library
     return None
 
 

@@ -14,7 +14,6 @@ from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.backends.cpu.runner import CpuRunner
 from neuron_lmi.engine.types import SamplingParams
 from neuron_lmi.models import native, packed_linear
-from neuron_lmi.models.packed import packing_pays
 from tests.backends.cpu.conftest import load_tiny
 
 pytestmark = pytest.mark.slow
@@ -188,7 +187,7 @@ def test_models_and_caches_without_a_decode_graph(
     # oneDNN's where it runs bf16 (with MKL the host's, Intel: Inductor's templates; on an AVX2-only
     # CPU oneDNN refuses bf16 weights: Inductor's too); the keys say which.
     bf16 = load_tiny(tiny_llama_dir, torch.bfloat16)
-    onednn_bf16 = packing_pays(torch.bfloat16)
+    onednn_bf16 = torch.bfloat16 in packed_linear.dtypes("onednn")
     for library, fp32_extend, bf16_graphs in (("mkl", False, False), ("onednn", True, onednn_bf16)):
         if not packed_linear.available(library):
             continue
