@@ -164,11 +164,20 @@ class ProcessEngine:
             # The failure first: a stream that finds the engine dead raises it (with Retry-After).
             self.failure = EngineDeadError(reason, RESTART_RETRY_AFTER_S if restarting else None)
             self._alive = False
-            self._end_all(self.failure)
-            if not (restarting and self._restart()):
-                for callback in self.on_death:
-                    callback(self.failure)
+            if not restarting:
+                self._die(self.failure)
                 return
+            self._end_all(self.failure)
+            if not self._restart():
+                self._die(EngineDeadError(f"{reason}; every restart failed"))
+                return
+
+    def _die(self, failure: EngineDeadError) -> None:
+        """The engine stays dead: the death callbacks run, then every open stream fails."""
+        self.failure = failure
+        for callback in self.on_death:
+            callback(failure)
+        self._end_all(failure)
 
     def _read_until_death(self) -> str:
         """Apply the engine's messages until it dies (or stops); why it ended."""

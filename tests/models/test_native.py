@@ -66,8 +66,9 @@ def test_the_background_build_registers_the_kernels_by_itself(env: dict[str, str
 def test_an_interpreter_exiting_mid_build_waits_for_it(tmp_path) -> None:
     """Else torch's builder leaves its lock file, and the next build on the host waits on it forever."""
     run_fresh(BUILD_AND_EXIT, {"XDG_CACHE_HOME": str(tmp_path)})
-    (built,) = (tmp_path / "neuron-lmi" / "kernels").iterdir()
+    (built,) = [d for d in (tmp_path / "neuron-lmi" / "kernels").iterdir() if d.is_dir()]
     assert (built / f"{native.NAME}.so").exists() and not (built / "lock").exists()
+    assert native.build_lock_path(built).exists()  # the flock's file, beside the build
 
 
 BUILD_NOW = """

@@ -64,7 +64,9 @@ def test_client_disconnect_frees_row_quickly(tiny_server: ServerProcess) -> None
     waves = {**LONG, "inputs": [LONG["inputs"]] * 16, "stream": False}
     with tiny_server.client(timeout=0.3) as http, pytest.raises(httpx.TimeoutException):
         http.post("/invocations", json=waves)
-    assert tiny_server.wait_rows_free(timeout_s=2.0) == 0
+    # Not a timing assertion: an AVX2-only host (AMD Zen 3) freed these rows 3.9 s after the
+    # client's timeout, past the 2 s the faster hosts were held to; a leaked row never frees.
+    assert tiny_server.wait_rows_free(timeout_s=15.0) == 0
     assert tiny_server.metric("neuron_lmi_aborted_requests_total") >= before + 2
 
 
