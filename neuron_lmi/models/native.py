@@ -98,6 +98,8 @@ def kernels() -> str:
     ``native`` (the library, built or taken from the cache), else ``python`` (each op module's
     ``register_python_kernels``, with a warning from the failed build)."""
     global _kernels
+    if _kernels is not None:  # called per step by the sampler: registered once, nothing to ask
+        return _kernels
     host_isa.request_amx()  # before any native kernel or package runs (host_isa says why)
     with _lock:
         if _kernels is None:
