@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
 
 import torch
 
@@ -65,10 +64,3 @@ def isa_features() -> tuple[str, ...]:
     if not request_amx():
         features -= AMX_FEATURES
     return tuple(sorted(features))
-
-
-def missing_features(required: Iterable[str], available: Iterable[str] | None = None) -> tuple[str, ...]:
-    """What of ``required`` (a package's build host's features) ``available`` (default this
-    process's ``isa_features``) lacks, sorted; empty where the package may run here."""
-    have = frozenset(isa_features() if available is None else available)
-    return tuple(sorted(set(required) - have))

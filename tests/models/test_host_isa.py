@@ -4,7 +4,9 @@ AMX instruction)."""
 
 from __future__ import annotations
 
+from compile_cache.key import missing_isa_features
 from neuron_lmi.models import host_isa
+from tests.compile_cache.conftest import make_inputs
 from tests.models.conftest import run_fresh
 
 ASKED_BY_KERNELS = """
@@ -25,8 +27,10 @@ def test_isa_features_are_the_hosts_less_what_may_not_run() -> None:
         assert host_isa.request_amx() and host_isa.AMX_FEATURES & caps <= set(features)
     else:
         assert not host_isa.request_amx() and not host_isa.AMX_FEATURES & set(features)
-    assert host_isa.missing_features(features) == ()
-    assert host_isa.missing_features([*features, "made_up"]) == ("made_up",)
+    # What ``cache verify`` asks of an entry: nothing missing for this host's own features.
+    assert missing_isa_features(make_inputs(isa_features=features), host_isa.isa_features()) == ()
+    made_up = make_inputs(isa_features=(*features, "made_up"))
+    assert missing_isa_features(made_up, host_isa.isa_features()) == ("made_up",)
 
 
 def test_the_native_kernels_ask_for_amx_first_in_a_fresh_process() -> None:
