@@ -169,7 +169,8 @@ class ProcessEngine:
                 return
             self._end_all(self.failure)
             if not self._restart():
-                self._die(EngineDeadError(f"{reason}; every restart failed"))
+                if not self._stopping:  # a stop during the restart is no death
+                    self._die(EngineDeadError(f"{reason}; every restart failed"))
                 return
 
     def _die(self, failure: EngineDeadError) -> None:
@@ -205,6 +206,9 @@ class ProcessEngine:
             except Exception as exc:
                 log.error("engine restart %d of %d failed: %s", self.restarts, self.max_restarts, exc)
                 continue
+            if self._stopping:  # stop() ran meanwhile and waited on the dead process: end this one
+                _shut_down(proc, conn)
+                return False
             self._proc, self._conn = proc, conn
             self._finalizer = weakref.finalize(self, _shut_down, proc, conn)
             self._sent = self._received = 0
