@@ -40,6 +40,11 @@ class NeuronConfig:
         self.kwargs = kwargs
 
 
+class OnDeviceSamplingConfig:  # the library's: the sampling defaults compiled into the graphs
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+
+
 class LlamaInferenceConfig:
     def __init__(self, neuron_config: NeuronConfig, load_config: Any = None) -> None:
         self.neuron_config = neuron_config
@@ -74,7 +79,8 @@ def library(monkeypatch: pytest.MonkeyPatch) -> type[Recorder]:
         "neuronx_distributed_inference.models.llama.modeling_llama": types.ModuleType("modeling_llama"),
         "neuronx_distributed_inference.utils.hf_adapter": types.ModuleType("hf_adapter"),
     }
-    modules["neuronx_distributed_inference.models.config"].NeuronConfig = NeuronConfig
+    config_module = modules["neuronx_distributed_inference.models.config"]
+    config_module.NeuronConfig, config_module.OnDeviceSamplingConfig = NeuronConfig, OnDeviceSamplingConfig
     llama = modules["neuronx_distributed_inference.models.llama.modeling_llama"]
     llama.LlamaInferenceConfig, llama.NeuronLlamaForCausalLM = LlamaInferenceConfig, NeuronLlamaForCausalLM
 
@@ -112,6 +118,9 @@ def test_a_miss_compiles_once_and_serves_that_model(
     entry = cache.lookup(nxdi_key_inputs(plan, CONFIG, compiler_version="2.21.0"))
     assert entry is not None and library.loaded == [str(entry.path)]
     assert app.config.neuron_config.kwargs["torch_dtype"] is torch.bfloat16
+    sampling = app.config.neuron_config.kwargs["on_device_sampling_config"]  # on by default, as AWS tunes it
+    assert isinstance(sampling, OnDeviceSamplingConfig) and sampling.kwargs == plan.neuron_config[
+        "on_device_sampling_config"]  # fmt: skip
     loaded = types.SimpleNamespace()
     app.config.loaded_from(loaded)  # the library's loader, then head_dim derived where it is None
     assert loaded.loaded_from == ("hf", plan.model_path)
