@@ -21,20 +21,32 @@ from dataclasses import dataclass
 from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.request import Request
-from neuron_lmi.engine.scheduler import InsertRows, PrefillChunk, SchedulerOutput
+from neuron_lmi.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
 from neuron_lmi.engine.types import SamplingParams, TokenEvent
+from neuron_lmi.runners.base import BatchKind, StepBatch
 
 
-class RecomputeOnJoin:
-    """The pre-cache-API baseline (a ``JoinPolicy``): whenever a request joins, every active row is
-    encoded again."""
+class RecomputeOnJoin(Scheduler):
+    """The pre-cache-API baseline: whenever a request joins, every running row is encoded again from
+    its first token (one PREFILL line of all its tokens, which samples its next one) instead of
+    decoding. The product's scheduler inserts rows; this subclass exists for this benchmark only."""
 
-    def plan(
-        self, admitted: list[Request], chunks: list[PrefillChunk], decoding: list[Request]
-    ) -> SchedulerOutput:
-        if admitted:
-            return SchedulerOutput(prefill=admitted, chunks=chunks, recompute=decoding)
-        return SchedulerOutput(chunks=chunks, decode=decoding)
+    def _batches(
+        self, chunks: list[PrefillChunk], decision: SchedulerOutput
+    ) -> list[tuple[StepBatch, list[Request]]]:
+        if not (decision.prefill and decision.decode):
+            return super()._batches(chunks, decision)
+        joined = SchedulerOutput(prefill=decision.prefill, chunks=decision.chunks)
+        again = list(decision.decode)
+        n = len(again)
+        recompute = StepBatch(
+            BatchKind.PREFILL,
+            tuple(r.row for r in again),  # type: ignore[misc]
+            (0,) * n,
+            tuple(tuple(r.all_ids) for r in again),
+            (True,) * n,
+        )
+        return [*super()._batches(chunks, joined), (recompute, again)]
 
 
 @dataclass(frozen=True)
@@ -99,10 +111,12 @@ def main() -> int:
     args = parser.parse_args()
 
     options = CpuEngineOptions(model=args.model, max_rolling_batch_size=args.rows, n_positions=512)
-    insert_core, _ = build_cpu_engine_core(options, InsertRows())
-    # The baseline shares the loaded model and its cache object; only the join policy differs.
-    recompute_core = EngineCore(
-        insert_core.runner, insert_core.tokenizer, insert_core.eos_token_ids, policy=RecomputeOnJoin()
+    insert_core, _ = build_cpu_engine_core(options)
+    # The baseline shares the loaded model and its cache object; only the scheduler differs.
+    recompute_core = EngineCore(insert_core.runner, insert_core.tokenizer, insert_core.eos_token_ids)
+    plain = recompute_core.scheduler
+    recompute_core.scheduler = RecomputeOnJoin(
+        plain.max_prefill_tokens, plain.prefill, plain.prefix, plain.rows, plain.capabilities
     )
     arrivals = make_arrivals(args.requests, args.rate, insert_core.runner.vocab_size, args.seed)
     run(insert_core, make_arrivals(2, 100.0, insert_core.runner.vocab_size, 99))  # warm-up

@@ -29,7 +29,7 @@ from pathlib import Path
 from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
 from neuron_lmi.bench.workload import TokenCount, Workload
 from neuron_lmi.engine.core import EngineCore
-from neuron_lmi.engine.step_clock import FULL_BATCH, time_runner
+from neuron_lmi.engine.step_clock import FULL_BATCH
 from neuron_lmi.engine.types import SamplingParams, TokenEvent
 from neuron_lmi.runners.base import StepBatch
 
@@ -38,18 +38,18 @@ WARMUP_SEED_OFFSET = 10_000  # as in vllm_compare: the warm-up's prompts are non
 
 def replay(core: EngineCore, workload: Workload, concurrency: int, requests: int) -> dict[str, float]:
     """Run ``requests`` of ``workload``, ``concurrency`` at a time; the figures of that run."""
-    runner = time_runner(core)
+    runner, timer = core.runner, core.forward_timer
     live: set[str] = set()
     sent = 0
-    # Prompt tokens forwarded, counted here rather than in the engine's TimedRunner, whose forward
-    # is on every serving step's path.
+    # Prompt tokens forwarded, counted here (the runner's forward wrapped for this run) rather than
+    # in the engine's ForwardTimer, which is on every serving step's path.
     prompt_tokens = 0
-    timed_forward = runner.forward
+    plain_forward = runner.forward
 
     def forward(batch: StepBatch) -> object:
         nonlocal prompt_tokens
         prompt_tokens += sum(len(chunk) for chunk in batch.chunks) - batch.decodes
-        return timed_forward(batch)
+        return plain_forward(batch)
 
     def add() -> None:
         nonlocal sent
@@ -73,12 +73,12 @@ def replay(core: EngineCore, workload: Workload, concurrency: int, requests: int
     while sent < requests or core.has_work():
         while len(live) < concurrency and sent < requests:
             add()
-        rows0, prompt0, model0 = runner.decoded_rows, prompt_tokens, runner.forward_s
+        rows0, prompt0, model0 = timer.decoded_rows, prompt_tokens, timer.forward_s
         step0 = time.perf_counter()
         core.step()
         step_s = time.perf_counter() - step0
         steps += 1
-        rows = runner.decoded_rows - rows0
+        rows = timer.decoded_rows - rows0
         tokens += rows
         if prompt_tokens > prompt0:
             prefill_steps += 1
@@ -89,9 +89,9 @@ def replay(core: EngineCore, workload: Workload, concurrency: int, requests: int
         if rows >= full_rows:
             full_steps += 1
             full_wall += step_s
-            full_model += runner.forward_s - model0
+            full_model += timer.forward_s - model0
     wall = time.perf_counter() - start
-    runner.forward = timed_forward
+    del runner.forward  # the class's own again
     return {
         "duration_s": wall,
         "steps": steps,

@@ -20,23 +20,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from neuron_lmi.config.dtypes import ALIASES, DTYPES, canonical_dtype
+
 log = logging.getLogger(__name__)
 
 # LMI on vLLM: 256 rows (vLLM's max_num_seqs) unless set (djl-serving's LmiConfigRecommender).
 DEFAULT_MAX_ROLLING_BATCH_SIZE = 256
 SPAWN_VAR = "VLLM_WORKER_MULTIPROC_METHOD"
 
-# Our dtype names (LMI's fp32/fp16/bf16 and torch's) -> vLLM's.
-DTYPES = {
-    "auto": "auto",
-    "fp32": "float32",
-    "float32": "float32",
-    "fp16": "float16",
-    "float16": "float16",
-    "half": "float16",
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-}
+
+def vllm_dtype(name: str) -> str | None:
+    """vLLM's name for one of ours (LMI's fp32/fp16/bf16, torch's, ``auto``); None if unknown."""
+    if name.strip().lower() == "auto":
+        return "auto"
+    canonical = canonical_dtype(name)
+    return DTYPES[canonical].torch_name if canonical is not None else None
 
 
 def _bool(value: Any) -> bool:
@@ -91,8 +89,8 @@ class VllmEngineConfig:
             raise ValueError(f"max_rolling_batch_size must be >= 1, got {self.max_rolling_batch_size!r}")
         if self.n_positions is not None and self.n_positions < 2:
             raise ValueError(f"n_positions must be >= 2, got {self.n_positions!r}")
-        if self.dtype.lower() not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if vllm_dtype(self.dtype) is None:
+            raise ValueError(f"dtype must be auto or one of {', '.join(ALIASES)}, got {self.dtype!r}")
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.max_queue_size < 0:
@@ -147,7 +145,7 @@ def engine_args_kwargs(
         "tensor_parallel_size": tp,
         "max_num_seqs": config.max_rolling_batch_size,
         "max_model_len": config.n_positions,
-        "dtype": DTYPES[config.dtype.lower()],
+        "dtype": vllm_dtype(config.dtype),
         "enforce_eager": config.enforce_eager,
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "trust_remote_code": config.trust_remote_code,

@@ -24,7 +24,7 @@ from typing import Any
 
 from gpu_fallback.config import VllmEngineConfig, engine_args_kwargs, load_chat_template, use_spawn
 from gpu_fallback.mapping import delta_to_events, prompt_tokens, refusal, sampling_kwargs
-from neuron_lmi.engine.admission import Admission, AdmissionLimits, Capacity, check_accepting
+from neuron_lmi.engine.admission import Admission, AdmissionLimits, Capacity, ValidRequest, check_accepting
 from neuron_lmi.engine.types import (
     EngineDeadError,
     EngineStats,
@@ -147,6 +147,7 @@ class VllmEngine:
     """
 
     backend_name = "vllm"
+    model_dtype = None  # /info reports the configuration's
 
     def __init__(self, config: VllmEngineConfig, backend: Any | None = None) -> None:
         self.config = config
@@ -161,6 +162,7 @@ class VllmEngine:
         self._active: dict[str, _Live] = {}
         self._snapshot = SchedulerSnapshot()
         self._stopping = False
+        self.admission: Admission  # set by start(), once vLLM has settled max_model_len
         # The model's sampling defaults (generation_config.json), read from vLLM once it started.
         self.sampling_defaults: dict[str, Any] = {}
 
@@ -210,6 +212,11 @@ class VllmEngine:
         log.info("vLLM engine ready in %.1f s", time.monotonic() - started)
         model_config = self._llm.model_config
         self.n_positions = int(model_config.max_model_len)
+        # Admission against what vLLM settled on (``max_model_len`` is known only now).
+        limits = AdmissionLimits(
+            self.n_positions, len(self.tokenizer), self.max_batch_size, self.config.max_queue_size
+        )
+        self.admission = Admission(self.tokenizer.encode, limits)
         diff = getattr(model_config, "get_diff_sampling_param", None)
         self.sampling_defaults = dict(diff()) if diff is not None else {}
         if self.sampling_defaults:
@@ -231,29 +238,32 @@ class VllmEngine:
     def _alive(self) -> bool:
         return self._llm is not None and not self._llm.errored
 
-    def _admission(self) -> Admission:
-        """Admission against what vLLM settled on (``max_model_len`` is known once it has started)."""
-        limits = AdmissionLimits(
-            self.n_positions, len(self.tokenizer), self.max_batch_size, self.config.max_queue_size
-        )
-        return Admission(self.tokenizer.encode, limits)
-
-    def generate(
+    def admit(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[TokenEvent]:
-        """Validate and admit now (``InvalidRequestError``, ``EngineOverloadedError``); stream later."""
+    ) -> ValidRequest:
+        """The request's one validation: admission, then vLLM's own limits (temperature <= 2...) as
+        vLLM's ``SamplingParams``, which the ``ValidRequest`` carries to ``generate``."""
         check_accepting(self._alive(), self._stopping, "the vLLM engine")
-        admission = self._admission()
         capacity = Capacity.of_in_flight(len(self._active), self.max_batch_size)
-        valid = admission.admit(prompt, params, request_id, self._active, capacity)
-        rid, ids = valid.request_id, valid.prompt_ids
+        valid = self.admission.admit(prompt, params, request_id, self._active, capacity)
         try:
             vparams = self._backend.sampling_params(
                 sampling_kwargs(params, self.sampling_defaults), params.stream
             )
-        except self._backend.client_errors as exc:  # vLLM's own limits (temperature <= 2, ...)
+        except self._backend.client_errors as exc:
             raise refusal(exc) from exc
-        return self._stream(rid, ids, vparams, params.top_n_tokens, params.prompt_logprobs)
+        return dataclasses.replace(valid, backend_params=vparams)
+
+    def generate(self, request: ValidRequest) -> AsyncIterator[TokenEvent]:
+        """Stream an admitted request through vLLM."""
+        params = request.params
+        return self._stream(
+            request.request_id,
+            request.prompt_ids,
+            request.backend_params,
+            params.top_n_tokens,
+            params.prompt_logprobs,
+        )
 
     def prometheus_collectors(self) -> list[VllmMetricsCollector]:
         """Collectors the server registers beside its own metrics."""

@@ -57,7 +57,7 @@ def sampling_kwargs(params: SamplingParams, defaults: Mapping[str, Any] | None =
     kwargs = {
         "n": 1,
         "max_tokens": params.max_new_tokens,
-        "temperature": params.temperature,
+        "temperature": 0.0 if params.greedy else params.temperature,
         "top_k": params.top_k,
         "top_p": params.top_p,
         "repetition_penalty": params.repetition_penalty,

@@ -103,6 +103,9 @@ def rolling_batch_engine(
         eos_ids_for(config, tokenizer),
         cfg.batching.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS,
     )
-    engine = AsyncEngine(core, model_name=model_name(resolved), max_queue_size=cfg.batching.max_queue_size)
-    engine.backend_name = backend
-    return engine
+    return AsyncEngine(
+        core,
+        model_name=model_name(resolved),
+        max_queue_size=cfg.batching.max_queue_size,
+        backend_name=backend,
+    )

@@ -70,6 +70,11 @@ def add_parser(subparsers: Any) -> None:
         choices=("hermes", "llama3_json", "mistral"),
         help="tool-call format (default: from the chat template); also enables the built-in tool prompt",
     )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=("deepseek_r1", "qwen3"),
+        help="split the model's <think> block off into message.reasoning (vLLM's parser names)",
+    )
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     p.set_defaults(func=run)
 
@@ -231,13 +236,14 @@ def run(args: argparse.Namespace) -> int:
         api_key=api_key or None,
         max_body_bytes=server_cfg.max_body_bytes,
         served_model_name=engine.model_name,
-        dtype=getattr(engine, "dtype", None) or resolved.config.model.dtype,
+        dtype=engine.model_dtype or resolved.config.model.dtype,
         fail_fast=server_cfg.fail_fast,
         grace_period_s=engine_stop_s,
         sagemaker=sagemaker,
         on_fatal=on_fatal,
         tool_call_parser=server_cfg.tool_call_parser,
         enable_auto_tool_choice=server_cfg.enable_auto_tool_choice,
+        reasoning_parser=server_cfg.reasoning_parser,
     )
     server = _make_server(create_app(engine, options), host, port, drain_s)
     holder["server"] = server

@@ -106,6 +106,8 @@ KEYS: tuple[KeySpec, ...] = (
     # tool calling (LMI's vLLM keys; our server reads them on every backend)
     _opt("server", "tool_call_parser"),
     _opt("server", "enable_auto_tool_choice"),
+    # reasoning output (LMI's vLLM key; our server splits it on every backend)
+    _opt("server", "reasoning_parser"),
 )
 
 BY_FIELD: dict[str, KeySpec] = {spec.field: spec for spec in KEYS}

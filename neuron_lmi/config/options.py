@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+from neuron_lmi.config.dtypes import canonical_dtype
+
 DEFAULT_MODEL = "smollm2"  # the built-in model every command and engine serves when none is named
 
 # What --backend asks for, and what LMI's option.rolling_batch asks for: the one table that the
@@ -52,18 +54,9 @@ NXDI_PROFILES = ("trn2-tuned",)
 NxdiProfile = Literal[NXDI_PROFILES]  # type: ignore[valid-type]
 # vLLM's names for the tool-call formats neuron_lmi.server.tool_parsers reads.
 ToolCallParser = Literal["hermes", "llama3_json", "mistral"]
+# vLLM's names for the reasoning formats neuron_lmi.server.reasoning splits off.
+ReasoningParser = Literal["deepseek_r1", "qwen3"]
 
-# LMI accepts torch-style names too; they all map onto the three amp names transformers-neuronx uses.
-DTYPE_ALIASES = {
-    "fp32": "fp32",
-    "float32": "fp32",
-    "f32": "fp32",
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "fp16": "fp16",
-    "float16": "fp16",
-    "f16": "fp16",
-}
 
 # Fallback when the model's max_position_embeddings is unknown; LMI's smart default caps at 4096.
 N_POSITIONS_FALLBACK = 2048
@@ -165,7 +158,7 @@ class ModelOptions(_Section):
     @classmethod
     def _dtype_alias(cls, value: Any) -> Any:
         if isinstance(value, str):
-            return DTYPE_ALIASES.get(value.strip().lower(), value)
+            return canonical_dtype(value) or value
         return value
 
     @field_validator("model_id", "revision")
@@ -354,6 +347,8 @@ class ServerOptions(_Section):
     # on a model whose chat template has no tool support, it also turns on the built-in tool prompt.
     tool_call_parser: ToolCallParser | None = None
     enable_auto_tool_choice: bool = True
+    # Reasoning output: the thinking is split off into message.reasoning (vLLM's names; None: none).
+    reasoning_parser: ReasoningParser | None = None
 
 
 class ServingConfig(BaseModel):

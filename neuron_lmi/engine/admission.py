@@ -1,14 +1,18 @@
-"""Admission: one validator in front of every engine (the CPU engine's process and thread fronts, the
-Neuron runners' engine, the vLLM adapter).
+"""Admission: the one validator in front of every engine (the CPU engine's process and thread
+fronts, the Neuron runners' engine, the vLLM adapter). Every request is checked here once, in the
+API process, and becomes a ``ValidRequest``; ``Engine.generate`` takes only that type, and nothing
+behind it checks the request again.
 
-    prompt + SamplingParams + request id --Admission.admit--> ValidRequest(request_id, prompt_ids, params)
+    prompt + SamplingParams + request id --Engine.admit--> ValidRequest --Engine.generate--> events
 
 It checks, in this order, and raises with one set of messages: the engine is alive and accepting
-(``EngineDeadError``, ``EngineOverloadedError`` while shutting down); the parameters
-(``SamplingParams.validate``); the prompt's token ids (non-empty, inside the vocabulary); prompt plus
-``max_new_tokens`` within ``n_positions``; the request id is not already in flight; and capacity: a
-request may wait for a KV row only while fewer than ``max_queue_size`` wait beyond the free rows.
-What only an engine can tell (a grammar, a backend's own limits) is checked by that engine after.
+(``check_accepting``: ``EngineDeadError``, ``EngineOverloadedError`` while shutting down); the
+parameters (``SamplingParams.validate``); the prompt's token ids (non-empty, inside the vocabulary);
+prompt plus ``max_new_tokens`` within ``n_positions``; what the backend can do (``RunnerCapabilities``:
+prompt scoring, a device sampler's limits); the grammar; the request id is not already in flight; and
+capacity: a request may wait for a KV row only while fewer than ``max_queue_size`` wait beyond the
+free rows. Errors name the engine's field (``max_new_tokens``, ``inputs``, ``grammar`` or the field
+the grammar came from); the server spells them as its client did.
 """
 
 from __future__ import annotations
@@ -17,15 +21,21 @@ import operator
 import uuid
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from neuron_lmi.engine.device_sampling import host_field
+from neuron_lmi.engine.grammar import check_grammar
 from neuron_lmi.engine.types import (
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
     SamplingParams,
 )
+from neuron_lmi.runners.base import RunnerCapabilities
 
 SHUTDOWN_RETRY_S = 5.0
+# A backend that scores prompts and samples on the host (the vLLM adapter's).
+HOST_SAMPLING = RunnerCapabilities(prompt_logits=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,15 +46,20 @@ class AdmissionLimits:
     vocab_size: int
     max_batch_size: int
     max_queue_size: int
+    # What the backend can do (what admission refuses beyond the parameters' own ranges).
+    capabilities: RunnerCapabilities = HOST_SAMPLING
+    backend_label: str = "this backend"  # names the backend in a refusal
 
 
 @dataclass(frozen=True, slots=True)
 class ValidRequest:
-    """A request every check has passed: its id, its prompt as token ids, its parameters."""
+    """A request every check has passed: its id, its prompt as token ids, its parameters, and what
+    the backend prepared while admitting it (the vLLM adapter's own sampling parameters)."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    backend_params: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,12 +121,32 @@ class Admission:
                 f"n_positions={n_positions}",
                 "inputs",
             )
+        self._check_backend(params)
+        if params.grammar is not None:
+            check_grammar(params.grammar)
         request_id = request_id or uuid.uuid4().hex
         if request_id in in_flight:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
         if capacity is not None:
             self.check_capacity(capacity)
         return ValidRequest(request_id, ids, params)
+
+    def _check_backend(self, params: SamplingParams) -> None:
+        limits = self.limits
+        bad = [t for t, _ in params.logit_bias if t >= limits.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary", "logit_bias")
+        if params.prompt_logprobs is not None and not limits.capabilities.prompt_logits:
+            message = f"{limits.backend_label} cannot score prompts (prompt log-probabilities)"
+            raise InvalidRequestError(message, "prompt_logprobs")
+        device = limits.capabilities.device_sampling
+        field = host_field(params, device) if device is not None and not device.logits else None
+        if field is not None:
+            message = (
+                f"{field} needs host sampling, and {limits.backend_label} samples on the device "
+                "without returning logits (see docs/configuration.md, on-device sampling)"
+            )
+            raise InvalidRequestError(message, field)
 
     def check_capacity(self, capacity: Capacity) -> None:
         queue = self.limits.max_queue_size

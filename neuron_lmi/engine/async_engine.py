@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import queue
 import threading
@@ -23,11 +22,11 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from neuron_lmi.config.options import DEFAULT_MAX_QUEUE_SIZE
-from neuron_lmi.engine.admission import Capacity, check_accepting
+from neuron_lmi.engine.admission import Admission, Capacity, ValidRequest, check_accepting
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.detokenizer import TextSink, TokenTexts, text_stream
 from neuron_lmi.engine.request import Request
-from neuron_lmi.engine.step_clock import StepClock, time_runner
+from neuron_lmi.engine.step_clock import StepClock
 from neuron_lmi.engine.streams import Mailbox, post, read_stream
 from neuron_lmi.engine.types import (
     EngineStats,
@@ -50,21 +49,24 @@ class AsyncEngine:
     event loop in one hop.
     """
 
-    backend_name = "cpu"
-
     def __init__(
-        self, core: EngineCore, model_name: str, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE
+        self,
+        core: EngineCore,
+        model_name: str,
+        max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+        backend_name: str = "cpu",
+        model_dtype: str | None = None,
     ) -> None:
         self.core = core
+        self.backend_name = backend_name
+        self.model_dtype = model_dtype
         self._texts = TokenTexts(core.tokenizer)  # each token id's text, decoded once
         self.model_name = model_name
         self.n_positions = core.runner.n_positions
         self.max_batch_size = core.runner.rows.n_rows
         self.max_queue_size = max_queue_size
-        # The core admits (ids, limits, duplicate id); this front owns the queue, so its bound.
-        self.admission = core.admission
-        self.admission.limits = dataclasses.replace(core.admission.limits, max_queue_size=max_queue_size)
-        self._clock = StepClock(time_runner(core))
+        self.admission = Admission(core.tokenizer.encode, core.admission_limits(max_queue_size))
+        self._clock = StepClock(core.forward_timer, core.runner.rows.n_rows)
         self._inbox: queue.Queue[Request] = queue.Queue()
         self._aborts: queue.Queue[str] = queue.Queue()
         self._outbox: list[tuple[Mailbox, TokenEvent | BaseException]] = []  # engine thread only
@@ -151,11 +153,18 @@ class AsyncEngine:
                 break
 
     # -- requests -----------------------------------------------------------------------------
-    def generate(
+    def admit(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[TokenEvent]:
-        """Validate now (raises ``InvalidRequestError``/``EngineOverloadedError``), stream later."""
+    ) -> ValidRequest:
+        """Check and tokenize (raises ``InvalidRequestError``, ``EngineOverloadedError``,
+        ``EngineDeadError``): the request's one validation."""
         self._check_accepting()
+        return self.admission.admit(prompt, params, request_id, self.core.requests)
+
+    def generate(self, valid: ValidRequest) -> AsyncIterator[TokenEvent]:
+        """Submit an admitted request now (so the next ``admit`` counts it against capacity) and
+        stream its events; a stream never read still runs to its end."""
+        params = valid.params
         mailbox = Mailbox(asyncio.get_running_loop())
 
         def sink(event: TokenEvent) -> None:  # on the engine thread
@@ -164,9 +173,13 @@ class AsyncEngine:
         def stop() -> None:  # a stop sequence ended it: the row is freed at the next step
             self._aborts.put(request.request_id)
 
-        request = self.core.make_request(prompt, params, request_id)
+        request = self.core.request_of(valid)
         text = text_stream(self.core.tokenizer, request.prompt_ids, params)
         request.sink = TextSink(text, self._texts, sink, stop)
+        with self._lock:
+            self._pending += 1
+        self._inbox.put(request)
+        self._wake.set()
         return self._stream(request, mailbox)
 
     def _check_accepting(self) -> None:
@@ -175,12 +188,6 @@ class AsyncEngine:
         self.admission.check_capacity(Capacity(waiting, self.core.runner.rows.occupancy().rows_free))
 
     async def _stream(self, request: Request, mailbox: Mailbox) -> AsyncIterator[TokenEvent]:
-        self._check_accepting()
-        with self._lock:
-            self._pending += 1
-        self._inbox.put(request)
-        self._wake.set()
-
         def abandon() -> None:
             self._aborts.put(request.request_id)
             self._wake.set()
@@ -191,6 +198,9 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._aborts.put(request_id)
         self._wake.set()
+
+    def prometheus_collectors(self) -> list[Any]:
+        return []
 
     def stats(self) -> EngineStats:
         stats = self.core.stats(alive=self._alive)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from neuron_lmi.config.options import DEFAULT_MAX_PREFILL_TOKENS
-from neuron_lmi.engine.admission import Admission, AdmissionLimits
+from neuron_lmi.engine.admission import Admission, AdmissionLimits, ValidRequest
 from neuron_lmi.engine.device_sampling import host_field, line_sampling
 from neuron_lmi.engine.grammar import GrammarCompiler
 from neuron_lmi.engine.prefix import PrefixIndex
@@ -26,15 +26,14 @@ from neuron_lmi.engine.scheduler import (
     DEFAULT_MIN_CHUNK,
     DEFAULT_STEP_TOKENS,
     ChunkedPrefill,
-    JoinPolicy,
     PrefillPolicy,
     Scheduler,
     WholePrompts,
 )
+from neuron_lmi.engine.step_clock import ForwardTimer
 from neuron_lmi.engine.types import (
     EngineStats,
     FinishReason,
-    InvalidRequestError,
     PromptToken,
     SamplingParams,
     TokenEvent,
@@ -65,18 +64,18 @@ class EngineCore:
         tokenizer: Any,
         eos_token_ids: Sequence[int],
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
-        policy: JoinPolicy | None = None,
         prefill: PrefillPolicy | None = None,
         prefix_reuse: bool = True,
     ) -> None:
         self.runner = runner
         self.capabilities = capabilities = capabilities_of(runner)
+        self.forward_timer = ForwardTimer()  # the model's share of each step (``StepClock``)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", []) or [])
-        # Capacity is the fronts' to check (they own the queues): no queue bound here.
-        limits = AdmissionLimits(runner.n_positions, runner.vocab_size, runner.rows.n_rows, 0)
-        self.admission = Admission(tokenizer.encode, limits)
+        # For synchronous users (``make_request``); capacity is the fronts' to check (they own the
+        # queues): no queue bound here.
+        self.admission = Admission(tokenizer.encode, self.admission_limits(0))
         self._stop_ids = sorted(self.eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, runner.vocab_size, self._stop_ids)
         # The sampler's draw is a native kernel: built (once per host) or loaded now, at start-up,
@@ -92,11 +91,23 @@ class EngineCore:
             )
         prefix = PrefixIndex(runner.rows) if extend and prefix_reuse else None
         prefill = prefill or WholePrompts(max_prefill_tokens)
-        self.scheduler = Scheduler(max_prefill_tokens, policy, prefill, prefix, runner.rows, capabilities)
+        self.scheduler = Scheduler(max_prefill_tokens, prefill, prefix, runner.rows, capabilities)
         self.requests: dict[str, Request] = {}
         self.steps = 0
 
     # -- requests -----------------------------------------------------------------------------
+    def admission_limits(self, max_queue_size: int) -> AdmissionLimits:
+        """What admission checks a request against, for a front whose queue holds ``max_queue_size``."""
+        runner = self.runner
+        return AdmissionLimits(
+            runner.n_positions,
+            runner.vocab_size,
+            runner.rows.n_rows,
+            max_queue_size,
+            self.capabilities,
+            type(runner).__name__,
+        )
+
     def make_request(
         self,
         prompt: str | Sequence[int],
@@ -104,39 +115,27 @@ class EngineCore:
         request_id: str | None = None,
         sink: EventSink | None = None,
     ) -> Request:
-        """Validate (``Admission``, then what only this runner can tell) and build a request; raises
-        ``InvalidRequestError`` naming the field."""
-        valid = self.admission.admit(prompt, params, request_id, self.requests)
-        self._check_backend_support(params)
-        ids, request_id = valid.prompt_ids, valid.request_id
+        """Admit and build a request, for a synchronous user (``LLM``, the benchmarks); raises
+        ``InvalidRequestError`` naming the field. The fronts admit in the API process and call
+        ``request_of``."""
+        return self.request_of(self.admission.admit(prompt, params, request_id, self.requests), sink)
+
+    def request_of(self, valid: ValidRequest, sink: EventSink | None = None) -> Request:
+        """The request for an admitted ``valid``; trusts it (admission checked everything a
+        request can get wrong). A grammar this tokenizer cannot serve still raises."""
+        params = valid.params
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else random.getrandbits(63)
             generator = torch.Generator().manual_seed(seed)
         return Request(
-            request_id=request_id,
-            prompt_ids=ids,
+            request_id=valid.request_id,
+            prompt_ids=valid.prompt_ids,
             params=params,
             generator=generator,
             sink=sink,
             grammar=self.grammars.state(params.grammar) if params.grammar is not None else None,
         )
-
-    def _check_backend_support(self, params: SamplingParams) -> None:
-        bad = [t for t, _ in params.logit_bias if t >= self.runner.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary", "logit_bias")
-        if params.prompt_logprobs is not None and not self.capabilities.prompt_logits:
-            message = f"{type(self.runner).__name__} cannot score prompts (prompt log-probabilities)"
-            raise InvalidRequestError(message, "prompt_logprobs")
-        device = self.capabilities.device_sampling
-        field = host_field(params, device) if device is not None and not device.logits else None
-        if field is not None:
-            message = (
-                f"{field} needs host sampling, and {type(self.runner).__name__} samples on the device "
-                "without returning logits (see docs/configuration.md, on-device sampling)"
-            )
-            raise InvalidRequestError(message, field)
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -193,8 +192,7 @@ class EngineCore:
         events = []
         for i, request in enumerate(sampled):
             top = tuple(
-                TopToken(t, "", lp)
-                for t, lp in zip(out.top_ids[i], out.top_logprobs[i], strict=True)
+                TopToken(t, "", lp) for t, lp in zip(out.top_ids[i], out.top_logprobs[i], strict=True)
             )
             try:
                 prompt = self._scored_prompt(request)
@@ -211,13 +209,14 @@ class EngineCore:
         """(logits, the device's tokens): a runner that samples on the device gets each line's
         sampling inputs (``engine.device_sampling``), greedy for a line the host samples."""
         device = self.capabilities.device_sampling
+        timed, runner = self.forward_timer.timed, self.runner
         if device is None:
-            return self.runner.forward(batch), None
+            return timed(lambda: runner.forward(batch), batch.decodes), None
         lines = [
             GREEDY_LINE if host_field(r.params, device) is not None else line_sampling(r.params, device)
             for r in requests
         ]
-        step = self.runner.forward_sampled(batch, lines)
+        step = timed(lambda: runner.forward_sampled(batch, lines), batch.decodes)
         return step.logits, step.tokens
 
     def _sample(
@@ -239,7 +238,7 @@ class EngineCore:
         return out
 
     def _host_sample(self, logits: torch.Tensor | None, requests: list[Request]) -> SampleOutput:
-        if logits is None:  # admission refuses such requests (make_request): never sampled greedy
+        if logits is None:  # admission refuses such requests (Admission._check_backend): never sampled greedy
             raise RuntimeError(f"{type(self.runner).__name__} returned no logits to sample on the host")
         return sample(
             logits,
@@ -257,7 +256,8 @@ class EngineCore:
         if top_n is None or request.output_ids:
             return None
         ids = request.prompt_ids
-        chosen, top_ids, top_lps = prompt_logprobs(self.runner.prompt_logits(ids), ids, top_n)
+        logits = self.forward_timer.timed(lambda: self.runner.prompt_logits(ids))
+        chosen, top_ids, top_lps = prompt_logprobs(logits, ids, top_n)
         rest = (
             PromptToken(t, "", lp, tuple(TopToken(a, "", v) for a, v in zip(ti, tv, strict=True)))
             for t, lp, ti, tv in zip(ids[1:], chosen, top_ids, top_lps, strict=True)

@@ -33,7 +33,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from neuron_lmi.engine.step_clock import StepClock, time_runner
+from neuron_lmi.engine.admission import AdmissionLimits, ValidRequest
+from neuron_lmi.engine.step_clock import StepClock
 from neuron_lmi.engine.types import InvalidRequestError, SamplingParams, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -77,11 +78,10 @@ CoreFactory = Callable[[], Any]  # () -> EngineCore, picklable (a module-level f
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineInfo:
-    """What the API process needs to know about the engine it talks to."""
+    """What the API process needs to know about the engine it talks to: what admission checks
+    requests against (its queue bound left to the API side), and the tokenizer."""
 
-    n_positions: int
-    rows_total: int
-    vocab_size: int
+    limits: AdmissionLimits
     tokenizer: Any
 
 
@@ -129,8 +129,7 @@ def engine_main(conn: Connection, parent_pid: int) -> None:
     logging.basicConfig(level=log_level, format=log_format or logging.BASIC_FORMAT)
     try:
         core = factory()
-        runner = core.runner
-        info = EngineInfo(runner.n_positions, runner.rows.n_rows, runner.vocab_size, core.tokenizer)
+        info = EngineInfo(core.admission_limits(0), core.tokenizer)
     except BaseException as exc:  # a missing model (FileNotFoundError) included: the API side raises it
         log.exception("the engine process could not build its engine")
         with contextlib.suppress(OSError):
@@ -167,7 +166,7 @@ class EngineLoop:
     def __init__(self, core: Any, conn: Connection) -> None:
         self.core = core
         self.conn = conn
-        self.clock = StepClock(time_runner(core))
+        self.clock = StepClock(core.forward_timer, core.runner.rows.n_rows)
         self.outbox: list[tuple[Any, ...]] = []
         self.rejected: list[tuple[str, str, str | None]] = []
         self.received = 0
@@ -207,10 +206,9 @@ class EngineLoop:
             if kind == ADD:
                 _, request_id, prompt_ids, params = message
                 self.received += 1
-                try:
-                    request = self.core.make_request(
-                        prompt_ids, params_from(params), request_id, sink=self._sink
-                    )
+                try:  # admitted by the API process: built, not checked again
+                    valid = ValidRequest(request_id, prompt_ids, params_from(params))
+                    request = self.core.request_of(valid, sink=self._sink)
                 except InvalidRequestError as exc:
                     self.rejected.append((request_id, str(exc), exc.field))
                     continue

@@ -53,7 +53,8 @@ def with_json_options(schema: Any) -> Any:
     return {**schema, "x-guidance": {**JSON_OPTIONS, **own}}
 
 
-def _grammar_text(spec: GrammarSpec) -> str:
+def grammar_text(spec: GrammarSpec) -> str:
+    """llguidance's grammar text for ``spec``, unchecked (``check_grammar`` checks it)."""
     try:
         if spec.kind in (GrammarKind.JSON_SCHEMA, GrammarKind.JSON_OBJECT):
             schema = spec.schema()  # {"type": "object"} for JSON_OBJECT
@@ -62,19 +63,21 @@ def _grammar_text(spec: GrammarSpec) -> str:
             return llguidance.LLMatcher.grammar_from_regex(spec.value)
         return llguidance.grammar_from("grammar", spec.value)  # GBNF or Lark
     except (ValueError, TypeError) as exc:
-        raise InvalidRequestError(f"invalid {spec.kind.value}: {exc}", "grammar") from None
+        raise InvalidRequestError(f"{spec.field}: invalid {spec.kind.value}: {exc}", spec.field) from None
 
 
 @functools.lru_cache(maxsize=256)
 def check_grammar(spec: GrammarSpec) -> str:
-    """llguidance's grammar text for ``spec``; ``InvalidRequestError`` (field ``grammar``) with the
-    grammar engine's reason when it cannot be compiled. Needs no tokenizer, so the HTTP edge can
-    refuse a bad schema before anything is queued."""
-    text = _grammar_text(spec)
+    """llguidance's grammar text for ``spec``; ``InvalidRequestError`` (the field the grammar came
+    from) with the grammar engine's reason when it cannot be compiled. Needs no tokenizer, so
+    admission refuses a bad schema before anything is queued."""
+    text = grammar_text(spec)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, None)
     if is_error:
         reason = messages[0].strip() if messages else "unknown error"
-        raise InvalidRequestError(f"the {spec.kind.value} cannot be compiled: {reason}", "grammar")
+        raise InvalidRequestError(
+            f"{spec.field}: the {spec.kind.value} cannot be compiled: {reason}", spec.field
+        )
     return text
 
 
@@ -153,13 +156,16 @@ class GrammarCompiler:
         return self._ll_tokenizer
 
     def state(self, spec: GrammarSpec) -> GrammarState:
-        """A fresh state at the start of ``spec``'s grammar; refuses a grammar that cannot compile."""
+        """A fresh state at the start of ``spec``'s grammar (admitted: ``check_grammar`` passed)."""
         template = self._cache.get(spec)
         if template is None:
-            template = llguidance.LLMatcher(self._tokenizer(), check_grammar(spec), log_level=0)
+            # Admission checked the grammar (check_grammar); what can still fail here is this
+            # tokenizer's vocabulary against it.
+            template = llguidance.LLMatcher(self._tokenizer(), grammar_text(spec), log_level=0)
             if template.is_error():
                 raise InvalidRequestError(
-                    f"the {spec.kind.value} cannot be compiled: {template.get_error()}", "grammar"
+                    f"{spec.field}: the {spec.kind.value} cannot be compiled: {template.get_error()}",
+                    spec.field,
                 )
             self.compiled += 1
             self._cache[spec] = template

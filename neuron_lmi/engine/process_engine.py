@@ -35,7 +35,7 @@ from typing import Any
 
 from neuron_lmi.config.options import DEFAULT_MAX_QUEUE_SIZE
 from neuron_lmi.engine import engine_process as wire
-from neuron_lmi.engine.admission import Admission, AdmissionLimits, Capacity, check_accepting
+from neuron_lmi.engine.admission import Admission, Capacity, ValidRequest, check_accepting
 from neuron_lmi.engine.detokenizer import TextStream, TokenTexts, text_decoder, text_stream
 from neuron_lmi.engine.streams import Mailbox, post, read_stream
 from neuron_lmi.engine.types import (
@@ -82,8 +82,10 @@ class ProcessEngine:
         model_name: str,
         max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
         max_restarts: int = DEFAULT_MAX_RESTARTS,
+        model_dtype: str | None = None,
     ) -> None:
         self.model_name = model_name
+        self.model_dtype = model_dtype
         self.max_queue_size = max_queue_size
         self.max_restarts = max_restarts
         self.restarts = 0  # engine processes started after the first
@@ -101,13 +103,13 @@ class ProcessEngine:
         self._proc, self._conn, info = _spawn(factory)
         # Garbage collection or interpreter exit closes the socket; the engine process exits on EOF.
         self._finalizer = weakref.finalize(self, _shut_down, self._proc, self._conn)
-        self.n_positions = info.n_positions
-        self.max_batch_size = info.rows_total
-        self.vocab_size = info.vocab_size
+        limits = dataclasses.replace(info.limits, max_queue_size=max_queue_size)
+        self.n_positions = limits.n_positions
+        self.max_batch_size = limits.max_batch_size
+        self.vocab_size = limits.vocab_size
         self._tokenizer = info.tokenizer
         self._decode = text_decoder(info.tokenizer)
         self._texts = TokenTexts(info.tokenizer)
-        limits = AdmissionLimits(self.n_positions, self.vocab_size, self.max_batch_size, max_queue_size)
         self.admission = Admission(info.tokenizer.encode, limits)
 
     @property
@@ -269,19 +271,29 @@ class ProcessEngine:
         post(batch)
 
     # -- requests -----------------------------------------------------------------------------
-    def generate(
+    def admit(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[TokenEvent]:
-        """Validate and tokenize now (raises ``InvalidRequestError``/``EngineOverloadedError``),
-        submit and stream later. What only the engine can check (e.g. a grammar) is raised from the
-        stream's first step."""
+    ) -> ValidRequest:
+        """Check and tokenize (raises ``InvalidRequestError``, ``EngineOverloadedError``,
+        ``EngineDeadError``): the request's one validation."""
         self._check_accepting()
-        valid = self.admission.admit(prompt, params, request_id, self._live)
-        request_id, ids = valid.request_id, valid.prompt_ids
+        return self.admission.admit(prompt, params, request_id, self._live)
+
+    def generate(self, request: ValidRequest) -> AsyncIterator[TokenEvent]:
+        """Submit an admitted request now and stream its events. Submitting here, not on the
+        stream's first read, makes it count against capacity at once, so the next ``admit`` sees
+        it; a stream never read still ends (its last event frees its entry). What only the engine
+        process can tell (a grammar its tokenizer cannot serve) is raised from the stream's first
+        step."""
+        request_id, ids, params = request.request_id, request.prompt_ids, request.params
+        if request_id in self._live:  # two requests admitted under one id before either was submitted
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
         mailbox = Mailbox(asyncio.get_running_loop())
         text = text_stream(self._tokenizer, ids, params, self._decode)
-        live = _Live(mailbox, text, len(ids))
-        return self._stream(request_id, ids, params, live)
+        live = self._live[request_id] = _Live(mailbox, text, len(ids))
+        self._sent += 1
+        self._send((wire.ADD, request_id, ids, wire.params_tuple(params)))
+        return self._stream(request_id, live)
 
     def _dead_error(self) -> EngineDeadError | None:
         """A fresh copy of why the engine is down (with a restart's ``Retry-After``), or None."""
@@ -297,16 +309,8 @@ class ProcessEngine:
         check_accepting(self._alive, self._stopping)
         self.admission.check_capacity(Capacity.of_in_flight(len(self._live), self.max_batch_size))
 
-    async def _stream(
-        self, request_id: str, ids: list[int], params: SamplingParams, live: _Live
-    ) -> AsyncIterator[TokenEvent]:
-        self._check_accepting()
-        if request_id in self._live:
-            raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
-        self._live[request_id] = live
-        self._sent += 1
-        self._send((wire.ADD, request_id, ids, wire.params_tuple(params)))
-
+    async def _stream(self, request_id: str, live: _Live) -> AsyncIterator[TokenEvent]:
+        # An engine that died since submission ends the stream through read_stream's ``dead``.
         def abandon() -> None:
             if self._live.pop(request_id, None) is not None:
                 self._send((wire.ABORT, request_id))
@@ -319,6 +323,9 @@ class ProcessEngine:
         if live is not None:
             post([(live.mailbox, _abort_event(request_id, live))])
         self._send((wire.ABORT, request_id))
+
+    def prometheus_collectors(self) -> list[Any]:
+        return []
 
     def stats(self) -> EngineStats:
         rows_total, rows_used, positions, waiting, running, extra = self._snapshot

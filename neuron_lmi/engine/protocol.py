@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from neuron_lmi.engine.admission import ValidRequest
 from neuron_lmi.engine.types import EngineStats, SamplingParams, TokenEvent
 
 
@@ -16,16 +17,19 @@ from neuron_lmi.engine.types import EngineStats, SamplingParams, TokenEvent
 class Engine(Protocol):
     """An asynchronous token generator.
 
-    Invariants: ``generate`` validates before anything is queued (``InvalidRequestError``), refuses
-    with ``EngineOverloadedError`` when its bounded queue is full, yields events in order and ends
-    after the event carrying ``finish_reason``. Closing the iterator early (a client disconnect)
-    aborts the request and frees its KV row.
+    Invariants: ``admit`` is a request's one validation (``engine.admission``): it raises
+    ``InvalidRequestError`` naming the field, ``EngineOverloadedError`` when the bounded queue is
+    full, ``EngineDeadError`` when the engine is down, and returns a ``ValidRequest``. ``generate``
+    takes only that, trusts it, yields events in order and ends after the event carrying
+    ``finish_reason``. Closing the iterator early (a client disconnect) aborts the request and frees
+    its KV row.
     """
 
     model_name: str
     n_positions: int
     max_batch_size: int
     backend_name: str
+    model_dtype: str | None  # what /info reports as model_dtype; None: the configuration's
 
     @property
     def tokenizer(self) -> Any:
@@ -36,13 +40,19 @@ class Engine(Protocol):
 
     async def stop(self, grace_s: float = 10.0) -> None: ...
 
-    def generate(
+    def admit(
         self,
         prompt: str | Sequence[int],
         params: SamplingParams,
         request_id: str | None = None,
-    ) -> AsyncIterator[TokenEvent]: ...
+    ) -> ValidRequest: ...
+
+    def generate(self, request: ValidRequest) -> AsyncIterator[TokenEvent]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    def prometheus_collectors(self) -> list[Any]:
+        """Collectors of the backend's own series (vLLM's ``vllm:*``), served beside the server's."""
+        ...

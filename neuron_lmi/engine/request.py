@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,9 +43,6 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    arrival_s: float = field(default_factory=time.monotonic)
-    first_token_s: float | None = None
-    finished_s: float | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -4,14 +4,12 @@
 ``Scheduler.next_step`` then owns the rows: it places admitted requests (allocating, claiming a
 retained prefix, naming the copies a live prefix needs) and cuts the step into ``StepBatch``es as
 the runner's ``RunnerCapabilities`` allow (``StepPlan``). The engine runs the plan and applies the
-tokens; ``Scheduler.finish`` releases a row, retaining its prefix. Three small policy objects keep
+tokens; ``Scheduler.finish`` releases a row, retaining its prefix. Two small policy objects keep
 ``schedule`` free of feature branches:
 
 * ``PrefillPolicy`` — how many prompt tokens a step computes: ``WholePrompts`` (every prompt in
   one piece, within a prefill budget) or ``ChunkedPrefill`` (one budget shared with the running
   decodes; prompts are split into chunks, so a burst of long prompts never freezes the streams);
-* ``JoinPolicy`` — what the running rows do when requests join (``InsertRows``; the recompute-on-join
-  baseline the cache API is measured against lives with its benchmark, ``bench/continuous_batching.py``);
 * ``PrefixIndex`` (``engine.prefix``) — which cached prefix a new prompt can start from.
 """
 
@@ -60,17 +58,16 @@ class PrefillChunk:
 class SchedulerOutput:
     """``prefill``: new requests to place into free rows. ``chunks``: prompt spans computed this step
     (new requests' first chunks included); a final chunk yields the request's first token.
-    ``recompute``: running requests whose rows are encoded again from scratch (only the recompute
-    baseline uses it). ``decode``: running requests that get one token this step."""
+    ``decode``: running requests that get one token this step. New rows are inserted while the
+    others keep decoding (the KV-row API); nothing already in a row is computed again."""
 
     prefill: list[Request] = field(default_factory=list)
     chunks: list[PrefillChunk] = field(default_factory=list)
-    recompute: list[Request] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.prefill or self.chunks or self.recompute or self.decode)
+        return not (self.prefill or self.chunks or self.decode)
 
 
 @dataclass(slots=True)
@@ -133,23 +130,6 @@ class ChunkedPrefill:
         return n if n == remaining or n >= self.min_chunk else 0
 
 
-class JoinPolicy(Protocol):
-    def plan(
-        self, admitted: list[Request], chunks: list[PrefillChunk], decoding: list[Request]
-    ) -> SchedulerOutput:
-        """``decoding``: running requests whose prompts are complete (the newly admitted excluded)."""
-        ...
-
-
-class InsertRows:
-    """Continuous batching with the KV-row API: new rows are inserted, the others keep decoding."""
-
-    def plan(
-        self, admitted: list[Request], chunks: list[PrefillChunk], decoding: list[Request]
-    ) -> SchedulerOutput:
-        return SchedulerOutput(prefill=admitted, chunks=chunks, decode=decoding)
-
-
 class Scheduler:
     """FCFS: running requests' remaining prompt chunks first, then admission into free rows, within
     the prefill policy's budget (``WholePrompts(max_prefill_tokens)`` unless another is given).
@@ -164,7 +144,6 @@ class Scheduler:
     def __init__(
         self,
         max_prefill_tokens: int,
-        policy: JoinPolicy | None = None,
         prefill: PrefillPolicy | None = None,
         prefix: PrefixIndex | None = None,
         rows: RowTable | None = None,
@@ -173,7 +152,6 @@ class Scheduler:
         if max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens
-        self.policy = policy or InsertRows()
         self.prefill = prefill or WholePrompts(max_prefill_tokens)
         self.prefix = prefix
         self.rows = rows
@@ -197,7 +175,7 @@ class Scheduler:
             chunks.append(PrefillChunk(request, request.prefilled, request.prefilled + n))
             budget -= n
         admitted = self._admit(free_rows, budget, chunks)
-        decision = self.policy.plan(admitted, chunks, decoding)
+        decision = SchedulerOutput(prefill=admitted, chunks=chunks, decode=decoding)
         for chunk in chunks:
             chunk.request.prefilled = chunk.end
         for request in admitted:
@@ -260,10 +238,10 @@ class Scheduler:
         self, chunks: list[PrefillChunk], decision: SchedulerOutput
     ) -> list[tuple[StepBatch, list[Request]]]:
         """One EXTEND batch where the runner mixes steps; otherwise one batch per kind: new prompts,
-        continued chunks, recomputed rows, decodes (first where every live row must step together,
+        continued chunks, decodes (first where every live row must step together,
         ``RunnerCapabilities.live_rows_step_together``)."""
         decode = [_decode_line(r) for r in decision.decode]
-        if self.capabilities.mixed_steps and not decision.recompute and (chunks or decode):
+        if self.capabilities.mixed_steps and (chunks or decode):
             lines = [_chunk_line(c) for c in chunks] + decode
             return [_batch(BatchKind.EXTEND, lines, decodes=len(decode))]
         batches = []
@@ -276,9 +254,6 @@ class Scheduler:
             batches.append(_batch(BatchKind.PREFILL, fresh))
         if more:
             batches.append(_batch(BatchKind.EXTEND, more))
-        if decision.recompute:
-            lines = [(r, 0, r.all_ids, True) for r in decision.recompute]
-            batches.append(_batch(BatchKind.PREFILL, lines))
         if decode and not decode_first:
             batches.append(_batch(BatchKind.DECODE, decode, len(decode)))
         return batches

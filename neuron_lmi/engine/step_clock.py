@@ -5,7 +5,7 @@
                            └─ runner.forward ◀───────── │       events, sending them on
                          hand the events over          ─┘ model: the runner's forward calls only
 
-``TimedRunner`` wraps a ``ModelRunner`` and adds up the time spent inside its forward calls;
+The core adds up the time spent inside its runner's forward calls (``ForwardTimer``);
 ``StepClock`` turns iterations into running means (over the last ``window`` steps that decoded),
 reported in ``EngineStats.extra`` and from there on ``/metrics``. Host time is measured twice: on
 the wall clock (what the model waits for) and as the loop thread's own CPU time (what it costs;
@@ -19,62 +19,36 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import TypeVar
 
-FORWARD_METHODS = ("forward", "prompt_logits")
-CONSTANT_ATTRIBUTES = ("rows", "vocab_size", "n_positions", "capabilities")
+T = TypeVar("T")
+
 DEFAULT_WINDOW = 256
 FULL_BATCH = 0.9  # a decode step with at least this share of the KV rows counts as a full batch
 
 
-class TimedRunner:
-    """A ``ModelRunner`` that also counts the seconds spent in its forward calls.
+class ForwardTimer:
+    """The seconds an ``EngineCore`` spends inside its runner's forward calls (``forward``,
+    ``forward_sampled``, ``prompt_logits``), and the rows they decoded. The core times each call
+    itself (``timed``); a batch's decoded rows are its ``StepBatch.decodes`` (a mixed step's
+    one-token chunks)."""
 
-    Everything else (``rows``, ``vocab_size``, ``capabilities``, ``copy``) is the wrapped runner's
-    own. A batch's decoded rows are its ``StepBatch.decodes`` (a mixed step's one-token chunks).
-    """
+    __slots__ = ("decoded_rows", "forward_cpu_s", "forward_s")
 
-    def __init__(self, runner: Any) -> None:
-        self._runner = runner
+    def __init__(self) -> None:
         self.forward_s = 0.0
         self.forward_cpu_s = 0.0  # CPU time of the calling thread inside forward calls
         self.decoded_rows = 0
-        for name in CONSTANT_ATTRIBUTES:  # read per token by the core: no __getattr__ on the way
-            if hasattr(runner, name):
-                setattr(self, name, getattr(runner, name))
-        for name in FORWARD_METHODS:
-            method = getattr(runner, name, None)
-            if method is not None:
-                setattr(self, name, self._timed(method, name))
 
-    def _timed(self, method: Any, name: str) -> Any:
-        def call(batch: Any) -> Any:
-            start, cpu = time.perf_counter(), time.thread_time()
-            try:
-                return method(batch)
-            finally:
-                self.forward_s += time.perf_counter() - start
-                self.forward_cpu_s += time.thread_time() - cpu
-                if name == "forward":
-                    self.decoded_rows += batch.decodes
-
-        return call
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)
-
-    @property
-    def wrapped(self) -> Any:
-        return self._runner
-
-
-def time_runner(core: Any) -> TimedRunner:
-    """Wrap ``core.runner`` once (idempotent) and return the wrapper."""
-    runner = core.runner
-    if not isinstance(runner, TimedRunner):
-        runner = TimedRunner(runner)
-        core.runner = runner
-    return runner
+    def timed(self, call: Callable[[], T], decodes: int = 0) -> T:
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return call()
+        finally:
+            self.forward_s += time.perf_counter() - start
+            self.forward_cpu_s += time.thread_time() - cpu
+            self.decoded_rows += decodes
 
 
 class _Window:
@@ -114,10 +88,10 @@ class StepClock:
     wall time; ``steps`` counts all iterations that ran ``EngineCore.step``.
     """
 
-    def __init__(self, runner: TimedRunner, window: int = DEFAULT_WINDOW) -> None:
-        self.runner = runner
+    def __init__(self, timer: ForwardTimer, n_rows: int, window: int = DEFAULT_WINDOW) -> None:
+        self.timer = timer
         self.steps = 0
-        self.full_rows = max(1, math.ceil(FULL_BATCH * runner.rows.n_rows))
+        self.full_rows = max(1, math.ceil(FULL_BATCH * n_rows))
         self._all = _Window(window)
         self._full = _Window(window)
         self._start = self._cpu = self._forward0 = self._forward_cpu0 = 0.0
@@ -125,16 +99,16 @@ class StepClock:
 
     def begin(self) -> None:
         self._start, self._cpu = time.perf_counter(), time.thread_time()
-        self._forward0, self._forward_cpu0 = self.runner.forward_s, self.runner.forward_cpu_s
-        self._rows0 = self.runner.decoded_rows
+        self._forward0, self._forward_cpu0 = self.timer.forward_s, self.timer.forward_cpu_s
+        self._rows0 = self.timer.decoded_rows
 
     def end(self) -> None:
         """Close the iteration opened by ``begin`` (everything in between counts)."""
         wall = time.perf_counter() - self._start
         cpu = time.thread_time() - self._cpu
-        model = self.runner.forward_s - self._forward0
-        model_cpu = self.runner.forward_cpu_s - self._forward_cpu0
-        rows = self.runner.decoded_rows - self._rows0
+        model = self.timer.forward_s - self._forward0
+        model_cpu = self.timer.forward_cpu_s - self._forward_cpu0
+        rows = self.timer.decoded_rows - self._rows0
         self.steps += 1
         if rows:
             sample = (max(wall - model, 0.0), model, max(cpu - model_cpu, 0.0), rows)

@@ -6,6 +6,7 @@ vLLM adapter can share it without sharing any behaviour.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import math
@@ -87,6 +88,13 @@ class GrammarSpec:
 
     kind: GrammarKind
     value: str = ""
+    # The request field the grammar came from, as the client spelled it (``response_format``,
+    # ``tools``, ``parameters.grammar``): admission's refusal names it. Not part of the grammar.
+    field: str = dataclasses.field(default="grammar", compare=False)
+
+    def named(self, field: str) -> GrammarSpec:
+        """This grammar, refused (if it is) under ``field``."""
+        return dataclasses.replace(self, field=field)
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | bool | str) -> GrammarSpec:
@@ -161,9 +169,13 @@ class SamplingParams:
     # Whether special tokens (EOS, tool-call markers...) are left out of the text (vLLM's default).
     skip_special_tokens: bool = True
 
+    # LMI/TGI's ``do_sample``: False decodes greedily whatever ``temperature`` says (the value is
+    # still validated, as TGI refuses ``temperature: -1`` without sampling).
+    do_sample: bool = True
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return not self.do_sample or self.temperature == 0.0
 
     def validate(self, max_new_tokens_limit: int | None = None) -> None:
         """Raise ``InvalidRequestError`` naming the first parameter that is out of range."""

@@ -25,11 +25,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from neuron_lmi.config.dtypes import DTYPES
 from neuron_lmi.parallel.catalog import GIB, INSTANCES, InstanceSpec, ModelSpec
 from neuron_lmi.parallel.gqa import ShardingPlan, build_sharding_plan
 from neuron_lmi.parallel.tnx_rules import GQAStrategy
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = {d.name: d.n_bytes for d in DTYPES.values()}  # the dtype table's, by LMI name
 DEFAULT_HEADROOM = 0.10  # NEFFs, activations, collectives' buffers and runtime scratch
 LATENCY_TP_CAP = 8
 

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from neuron_lmi.engine.protocol import Engine
 from neuron_lmi.server.metrics import ServerMetrics
 from neuron_lmi.server.options import AppOptions
+from neuron_lmi.server.reasoning import Reasoner, reasoner_for
 
 
 @dataclass(slots=True)
@@ -19,7 +20,8 @@ class ServerContext:
     """Engine, options and metrics of one app.
 
     Invariants: ``ready`` turns true only after ``engine.start()`` returned; ``special_ids`` is the
-    tokenizer's special-token ids (for ``special``/``special_token`` flags of alternatives).
+    tokenizer's special-token ids (for ``special``/``special_token`` flags of alternatives);
+    ``reasoning`` is set when ``options.reasoning_parser`` is (checked against the tokenizer).
     """
 
     engine: Engine
@@ -30,6 +32,7 @@ class ServerContext:
     created: int = field(default_factory=lambda: int(time.time()))
     ready: bool = False
     fatal: str | None = None
+    reasoning: Reasoner | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -60,6 +63,7 @@ def make_context(engine: Engine, options: AppOptions) -> ServerContext:
         metrics=ServerMetrics(engine),
         model_name=options.served_model_name or engine.model_name,
         special_ids=special,
+        reasoning=reasoner_for(options.reasoning_parser, tok),
     )
 
 

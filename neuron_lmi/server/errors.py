@@ -103,7 +103,9 @@ def engine_field(field: str | None, family: Family, path: str = "") -> str | Non
         names = {
             "max_new_tokens": "max_tokens",
             "top_n_tokens": "top_logprobs" if chat else "logprobs",
+            "prompt_logprobs": "logprobs",
             "inputs": "messages" if chat else "prompt",
+            "grammar": "response_format",
         }
         return names.get(field, field)
     return field if field == "inputs" else f"parameters.{field}"
@@ -114,7 +116,11 @@ def from_engine_error(exc: Exception, family: Family, path: str = "") -> ApiErro
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, InvalidRequestError):
-        return invalid(family, str(exc), engine_field(exc.field, family, path))
+        field = engine_field(exc.field, family, path)
+        message = str(exc)
+        if family == "openai" and exc.field and field != exc.field:  # the message says what the client sent
+            message = message.replace(exc.field, field or "", 1)
+        return invalid(family, message, field)
     if isinstance(exc, EngineOverloadedError):
         status = 429 if family == "openai" else 503
         return ApiError(status, str(exc) or "server overloaded", None, "overloaded", exc.retry_after_s)

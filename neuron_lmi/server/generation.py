@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -21,7 +21,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from neuron_lmi.engine.protocol import Engine
-from neuron_lmi.engine.types import FinishReason, SamplingParams, TokenEvent
+from neuron_lmi.engine.types import FinishReason, InvalidRequestError, SamplingParams, TokenEvent
 from neuron_lmi.server.errors import ApiError
 from neuron_lmi.server.metrics import ServerMetrics
 
@@ -51,8 +51,8 @@ class TokenStream:
     """One engine request, iterated after ``prime`` received its first event.
 
     Invariants: events are yielded in order, the first one exactly once; after ``aclose`` the
-    engine iterator is closed and, if the request was submitted but no event carried
-    ``finish_reason``, ``engine.abort`` was called (the abort frees its KV row).
+    engine iterator is closed and, if no event carried ``finish_reason``, ``engine.abort`` was
+    called (the abort frees its KV row).
     """
 
     def __init__(
@@ -65,14 +65,12 @@ class TokenStream:
         self._first: TokenEvent | None = None
         self._t0 = time.perf_counter()
         self._last = self._t0
-        self.submitted = False
         self.finished = False
         self.closed = False
         self.prompt_tokens = 0
 
     async def prime(self) -> None:
         """Await the first event (raising the engine's refusal, if any)."""
-        self.submitted = True
         first = await anext(self._it)
         self._first = first
         self.prompt_tokens = first.prompt_tokens
@@ -110,7 +108,7 @@ class TokenStream:
         self.closed = True
         with contextlib.suppress(Exception):
             await self._it.aclose()  # type: ignore[attr-defined]
-        if self.submitted and not self.finished:
+        if not self.finished:  # Engine.generate submitted it before returning ``it``
             self.metrics.aborted.inc()
             with contextlib.suppress(Exception):
                 await self.engine.abort(self.request_id)
@@ -133,18 +131,31 @@ async def open_streams(
     metrics: ServerMetrics,
     jobs: Sequence[tuple[str | Sequence[int], SamplingParams]],
     prefix: str,
+    renames: Mapping[str, str] | None = None,
+    client: Request | None = None,
 ) -> list[TokenStream]:
-    """Submit every job at once (so they prefill together) and wait for each first event.
+    """Admit every job (its one validation: ``Engine.admit``), submit them at once (so they prefill
+    together) and wait for each first event.
 
-    If any is refused or the wait is cancelled, all of them are released before the error propagates.
+    A refusal names the engine's field; ``renames`` maps it to the request field the client set
+    where the route knows better than the family's table (``max_completion_tokens``). If any is
+    refused, the wait is cancelled or the ``client`` disconnects while they wait (a queued request
+    may wait for a row for minutes), all of them are released before the error propagates.
     """
     base = new_request_id(prefix)
     streams: list[TokenStream] = []
     try:
         for i, (prompt, params) in enumerate(jobs):
             rid = base if len(jobs) == 1 else f"{base}-{i}"
-            streams.append(TokenStream(engine, metrics, engine.generate(prompt, params, rid), rid))
-        await _prime_all(streams)
+            try:
+                valid = engine.admit(prompt, params, rid)
+            except InvalidRequestError as exc:
+                name = (renames or {}).get(exc.field or "")
+                if name is None:
+                    raise
+                raise InvalidRequestError(str(exc).replace(exc.field or "", name, 1), name) from None
+            streams.append(TokenStream(engine, metrics, engine.generate(valid), rid))
+        await (until_disconnect(client, _prime_all(streams)) if client is not None else _prime_all(streams))
     except BaseException:
         await close_all(streams)
         raise

@@ -102,6 +102,5 @@ class ServerMetrics:
         self.aborted = Counter("neuron_lmi_aborted_requests", "requests aborted before finishing", registry=r)
         r.register(EngineStatsCollector(engine))
         # A backend with its own Prometheus series (vLLM's vllm:*) serves them beside ours.
-        extra = getattr(engine, "prometheus_collectors", None)
-        for collector in extra() if extra is not None else ():
+        for collector in engine.prometheus_collectors():
             r.register(collector)

@@ -32,6 +32,8 @@ class AppOptions:
     # template; set, it also enables the built-in tool prompt for a template without tool support.
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = True
+    # Reasoning output: a parser name (neuron_lmi.server.reasoning.PARSERS) or None for none.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0:

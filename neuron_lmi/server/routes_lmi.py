@@ -198,10 +198,10 @@ async def _start(
     if req.stream and len(inputs) > 1:
         raise invalid(family, "streaming takes a single input string, not a list", "inputs")
     stream = req.stream or force_stream
-    params: SamplingParams = to_sampling(req.parameters, family, ctx.engine.n_positions, stream)
+    params: SamplingParams = to_sampling(req.parameters, family, stream)
     prompts = [_prompt_for(ctx, text, req.parameters.truncate) for text in inputs]
     jobs = [(prompt, params) for prompt in prompts for _ in range(req.parameters.best_of or 1)]
-    streams = await open_streams(ctx.engine, ctx.metrics, jobs, "lmi")
+    streams = await open_streams(ctx.engine, ctx.metrics, jobs, "lmi", client=request)
     return ctx, req, inputs, streams
 
 

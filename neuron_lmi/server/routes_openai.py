@@ -39,6 +39,7 @@ from neuron_lmi.server.generation import (
     open_streams,
     until_disconnect,
 )
+from neuron_lmi.server.reasoning import ReasoningChoiceStream, reasoning_message, with_think_block
 from neuron_lmi.server.schemas_lmi import finish_name
 from neuron_lmi.server.schemas_openai import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -179,7 +180,7 @@ async def _collect_all(request: Request, streams: Sequence[TokenStream]) -> list
 def _completion_prompts(ctx: ServerContext, req: CompletionRequest) -> list[str | list[int]]:
     p = req.prompt
     items: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
-    if not items or any(len(x) == 0 for x in items):
+    if not items:  # no prompt at all; an empty one is admission's to refuse
         raise invalid("openai", "prompt must not be empty", "prompt")
     if req.truncate_prompt_tokens is not None:
         limit = ctx.engine.n_positions
@@ -199,11 +200,12 @@ async def completions(request: Request) -> Response:
     prompts = _completion_prompts(ctx, req)
     prompt_only = req.scores_prompt_only()
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else max(req.max_tokens, 1)
-    params = to_sampling(req, max_tokens, req.logprobs or 0, ctx.engine.n_positions)
+    params = to_sampling(req, max_tokens, req.logprobs or 0)
     per_prompt = max(req.n, req.best_of or 1)
     if per_prompt > req.n:  # candidates are ranked by their log-probabilities
         params = dataclasses.replace(params, logprobs=True)
-    streams = await open_streams(ctx.engine, ctx.metrics, _fan_out(prompts, params, per_prompt), "cmpl")
+    jobs = _fan_out(prompts, params, per_prompt)
+    streams = await open_streams(ctx.engine, ctx.metrics, jobs, "cmpl", client=request)
     try:  # decoded once the engine accepted the ids (a negative or huge id crashes the tokenizer)
         texts = [p if isinstance(p, str) else ctx.tokenizer.decode(p) for p in prompts]
     except BaseException:
@@ -255,17 +257,12 @@ async def completions(request: Request) -> Response:
 
 
 def _chat_max_tokens(ctx: ServerContext, req: ChatRequest, prompt_len: int) -> int:
+    """What the client asked for, else the room the prompt leaves (at least 1: admission refuses a
+    prompt that leaves none, naming ``messages``)."""
     for value in (req.max_completion_tokens, req.max_tokens):
         if value is not None:
             return value
-    room = ctx.engine.n_positions - prompt_len
-    if room <= 0:
-        raise invalid(
-            "openai",
-            f"the prompt has {prompt_len} tokens, the model's limit is {ctx.engine.n_positions}",
-            "messages",
-        )
-    return room
+    return max(1, ctx.engine.n_positions - prompt_len)
 
 
 @router.post("/chat/completions", tags=["openai"])
@@ -280,9 +277,13 @@ async def chat_completions(request: Request) -> Response:
     ids = render_chat(ctx.tokenizer, ctx.model_name, req, plan)
     ids = truncated(ids, req.truncate_prompt_tokens, req.truncation_side, ctx.engine.n_positions)
     top_n = (req.top_logprobs or 0) if req.logprobs else 0
-    params = to_sampling(req, _chat_max_tokens(ctx, req, len(ids)), top_n, ctx.engine.n_positions)
+    params = to_sampling(req, _chat_max_tokens(ctx, req, len(ids)), top_n)
     params = with_tool_grammar(params, plan)
-    streams = await open_streams(ctx.engine, ctx.metrics, _fan_out([ids], params, req.n), "chatcmpl")
+    params = with_think_block(params, ctx.reasoning)  # a grammar constrains the answer, not the thinking
+    # A refused max_new_tokens is the field the client set.
+    renames = {"max_new_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else None
+    jobs = _fan_out([ids], params, req.n)
+    streams = await open_streams(ctx.engine, ctx.metrics, jobs, "chatcmpl", renames, client=request)
     head = {
         "id": new_request_id("chatcmpl"),
         "created": int(time.time()),
@@ -291,10 +292,16 @@ async def chat_completions(request: Request) -> Response:
     }
 
     tool_streams = [ToolChoiceStream(plan) for _ in range(req.n)] if plan.parse else None
+    reasoner = ctx.reasoning
+    think_streams = None
+    if reasoner is not None:
+        think_streams = [ReasoningChoiceStream(reasoner, plan, req.include_reasoning) for _ in range(req.n)]
 
     def choice(idx: int, e: TokenEvent, first: bool) -> dict[str, Any] | list[dict[str, Any]]:
         lp = {"content": [_chat_logprob(e)] if is_token(e) else []} if req.logprobs else None
         fr = finish_reason(finish_name(e.finish_reason)) if e.finish_reason else None
+        if think_streams is not None:
+            return think_streams[idx].chunks(idx, e, lp, fr)
         if tool_streams is not None:
             return tool_streams[idx].chunks(idx, e, lp, fr)
         return {"index": idx, "delta": {"content": e.text}, "logprobs": lp, "finish_reason": fr}
@@ -315,7 +322,10 @@ async def chat_completions(request: Request) -> Response:
     outs = await _collect_all(request, streams)
     choices = []
     for idx, out in enumerate(outs):
-        message, called = tool_message(plan, out.events, out.text)
+        if reasoner is not None:
+            message, called = reasoning_message(reasoner, plan, out.events, req.include_reasoning)
+        else:
+            message, called = tool_message(plan, out.events, out.text)
         choices.append(
             {
                 "index": idx,

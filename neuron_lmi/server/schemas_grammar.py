@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from neuron_lmi.engine.grammar import check_grammar
-from neuron_lmi.engine.types import GrammarSpec, InvalidRequestError
+from neuron_lmi.engine.types import GrammarSpec
 from neuron_lmi.server.errors import Family, invalid
 from neuron_lmi.server.schema_types import RequestModel
 
@@ -75,14 +74,6 @@ class TgiGrammar(_Strict):
     )
 
 
-def _checked(spec: GrammarSpec, family: Family, field: str) -> GrammarSpec:
-    try:
-        check_grammar(spec)
-    except InvalidRequestError as exc:
-        raise invalid(family, f"{field}: {exc}", field) from None
-    return spec
-
-
 def response_format_grammar(fmt: ResponseFormat | None) -> GrammarSpec | None:
     """The grammar an OpenAI ``response_format`` asks for (None for text)."""
     if fmt is None or fmt.type == "text":
@@ -97,7 +88,7 @@ def response_format_grammar(fmt: ResponseFormat | None) -> GrammarSpec | None:
         return GrammarSpec.json_object()
     if fmt.json_schema.strict:
         schema = strict_schema(schema)
-    return _checked(GrammarSpec.json_schema(schema), "openai", "response_format.json_schema.schema")
+    return GrammarSpec.json_schema(schema).named("response_format.json_schema.schema")
 
 
 def strict_schema(schema: Any) -> Any:
@@ -145,14 +136,14 @@ def structured_outputs_grammar(so: StructuredOutputs | None) -> GrammarSpec | No
     if kind == "structural_tag":
         raise invalid("openai", f"{where} is not supported by this server", where)
     if kind == "regex":
-        return _checked(GrammarSpec.regex(so.regex or ""), "openai", where)
+        return GrammarSpec.regex(so.regex or "").named(where)
     if kind == "grammar":
-        return _checked(GrammarSpec.ebnf(so.grammar or ""), "openai", where)
+        return GrammarSpec.ebnf(so.grammar or "").named(where)
     if kind == "choice":
         if not so.choice:
             raise invalid("openai", f"{where} must list at least one string", where)
         lark = "start: " + " | ".join(json.dumps(c) for c in so.choice)
-        return _checked(GrammarSpec.ebnf(lark), "openai", where)
+        return GrammarSpec.ebnf(lark).named(where)
     schema: Any = {"type": "object"} if kind == "json_object" else so.json_
     if isinstance(schema, str):
         try:
@@ -170,7 +161,7 @@ def structured_outputs_grammar(so: StructuredOutputs | None) -> GrammarSpec | No
         options["whitespace_pattern"] = so.whitespace_pattern
     if options:  # llguidance reads its JSON options from the schema's x-guidance
         schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **options}}
-    return _checked(GrammarSpec.json_schema(schema), "openai", where)
+    return GrammarSpec.json_schema(schema).named(where)
 
 
 def tgi_grammar(grammar: TgiGrammar | None, family: Family) -> GrammarSpec | None:
@@ -181,7 +172,7 @@ def tgi_grammar(grammar: TgiGrammar | None, family: Family) -> GrammarSpec | Non
     if grammar.type == "regex":
         if not isinstance(grammar.value, str):
             raise invalid(family, f"{field}: a regex grammar takes a string", field)
-        return _checked(GrammarSpec.regex(grammar.value), family, field)
+        return GrammarSpec.regex(grammar.value).named(field)
     value = grammar.value
     if isinstance(value, str):
         try:
@@ -190,7 +181,7 @@ def tgi_grammar(grammar: TgiGrammar | None, family: Family) -> GrammarSpec | Non
             raise invalid(family, f"{field}: not a JSON schema: {exc}", field) from None
     if not isinstance(value, dict):
         raise invalid(family, f"{field}: a JSON schema must be an object", field)
-    return _checked(GrammarSpec.json_schema(value), family, field)
+    return GrammarSpec.json_schema(value).named(field)
 
 
 def parse_logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

@@ -15,7 +15,6 @@ Response shapes differ:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Annotated, Any, Literal
 
@@ -23,7 +22,6 @@ from pydantic import ConfigDict, Field
 
 from neuron_lmi.engine.types import (
     FinishReason,
-    InvalidRequestError,
     SamplingParams,
     StopText,
     TokenEvent,
@@ -140,13 +138,11 @@ def _check_best_of(p: LmiParameters, family: Family, stream: bool) -> None:
         raise invalid(family, "best_of > 1 is not supported when streaming tokens", field)
 
 
-def to_sampling(
-    p: LmiParameters, family: Family, max_new_tokens_limit: int, stream: bool = True
-) -> SamplingParams:
+def to_sampling(p: LmiParameters, family: Family, stream: bool = True) -> SamplingParams:
     """LMI/TGI parameters as engine parameters; sampling happens only with ``do_sample: true``.
 
-    The raw values are validated first (so ``temperature: -1`` is refused even without sampling),
-    then ``do_sample`` false turns decoding greedy (temperature 0). Log-probabilities are asked for
+    The values are carried as sent and checked by admission (so ``temperature: -1`` is refused even
+    without sampling); ``do_sample`` false makes decoding greedy. Log-probabilities are asked for
     only when the response shows them (``details``, ``top_n_tokens``); parameters left unset are
     named in ``unset`` for a backend with the model's own defaults (vLLM).
     """
@@ -158,7 +154,7 @@ def to_sampling(
     if p.model_extra:
         log.warning("parameters this server does not use, passed over: %s", ", ".join(sorted(p.model_extra)))
     stop = (p.stop,) if isinstance(p.stop, str) else tuple(p.stop or ())
-    params = SamplingParams(
+    return SamplingParams(
         max_new_tokens=DEFAULT_MAX_NEW_TOKENS if p.max_new_tokens is None else p.max_new_tokens,
         temperature=1.0 if p.temperature is None else p.temperature,
         top_k=0 if p.top_k is None else p.top_k,
@@ -176,14 +172,8 @@ def to_sampling(
         grammar=tgi_grammar(p.grammar, family),
         prompt_logprobs=0 if p.decoder_input_details else None,
         stop_text=StopText.TOKEN,
+        do_sample=p.do_sample,
     )
-    try:
-        params.validate(max_new_tokens_limit)
-    except InvalidRequestError as exc:
-        raise invalid(family, str(exc), f"parameters.{exc.field}" if exc.field else "parameters") from None
-    if not p.do_sample:
-        params = dataclasses.replace(params, temperature=0.0)
-    return params
 
 
 def token_dict(event_id: int, text: str, logprob: float, special: bool, style: Style) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, NonNegativeInt
 
-from neuron_lmi.engine.types import InvalidRequestError, SamplingParams, StopText
+from neuron_lmi.engine.types import SamplingParams, StopText
 from neuron_lmi.server.errors import invalid
 from neuron_lmi.server.schema_types import (
     NonEmptyStr,
@@ -189,22 +189,10 @@ class ChatRequest(_Common, VllmChatFields):
         return {**super().unsupported(), **VllmChatFields.refused(self)}
 
 
-# SamplingParams field -> the OpenAI name a client would recognise in an error.
-_FIELD_NAMES = {
-    "max_new_tokens": "max_tokens",
-    "top_n_tokens": "logprobs",
-    "prompt_logprobs": "logprobs",
-    "grammar": "response_format",
-}
-
-
-def to_sampling(
-    req: CompletionRequest | ChatRequest,
-    max_tokens: int,
-    top_n: int,
-    limit: int,
-) -> SamplingParams:
-    """Engine parameters for one choice (the route sets ``seed + i`` per choice)."""
+def to_sampling(req: CompletionRequest | ChatRequest, max_tokens: int, top_n: int) -> SamplingParams:
+    """Engine parameters for one choice (the route sets ``seed + i`` per choice), as sent: admission
+    checks their ranges (``Engine.admit``), and the server names a refused field as the client
+    spelled it (``errors.engine_field``)."""
     for name, bad in req.unsupported().items():
         if bad:
             reason = "the model has no fill-in-the-middle support" if name == "suffix" else "this server"
@@ -222,7 +210,7 @@ def to_sampling(
             message = "best_of > n cannot be streamed (candidates are ranked at the end)"
             raise invalid("openai", message, "best_of")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    params = SamplingParams(
+    return SamplingParams(
         max_new_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_k=0 if req.top_k is None else req.top_k,
@@ -247,17 +235,6 @@ def to_sampling(
         stop_token_ids=tuple(req.stop_token_ids or ()),
         skip_special_tokens=req.skip_special_tokens,
     )
-    try:
-        params.validate(limit)
-    except InvalidRequestError as exc:
-        raw = exc.field or "body"
-        name = _FIELD_NAMES.get(raw, raw)
-        if isinstance(req, ChatRequest) and raw == "top_n_tokens":
-            name = "top_logprobs"
-        if isinstance(req, ChatRequest) and raw == "max_new_tokens" and req.max_completion_tokens is not None:
-            name = "max_completion_tokens"
-        raise invalid("openai", str(exc).replace(raw, name, 1), name) from None
-    return params
 
 
 def _prompt_logprobs(req: CompletionRequest | ChatRequest) -> int | None:

@@ -84,10 +84,16 @@ class ToolCallOut(_Doc):
     function: ToolCallFunctionOut
 
 
+REASONING = "The thinking, with option.reasoning_parser (null when none, or include_reasoning false)."
+REASONING_CONTENT = "The same as reasoning (vLLM's older, deprecated name)."
+
+
 class ChatResponseMessage(_Doc):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning: str | None = Field(default=None, description=REASONING)
+    reasoning_content: str | None = Field(default=None, description=REASONING_CONTENT)
 
 
 class ChatChoice(_Doc):
@@ -121,6 +127,8 @@ class ChatDelta(_Doc):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning: str | None = Field(default=None, description="A piece of the thinking (before any content).")
+    reasoning_content: str | None = Field(default=None, description=REASONING_CONTENT)
 
 
 class ChatChunkChoice(_Doc):

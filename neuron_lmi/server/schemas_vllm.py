@@ -8,10 +8,10 @@ Three kinds of field:
   ``ignore_eos``, declared with the OpenAI fields), the text's (``include_stop_str_in_output``,
   ``skip_special_tokens``, ``stop_token_ids``), the prompt's (``truncate_prompt_tokens``,
   ``truncation_side``, chat's ``add_generation_prompt``, ``continue_final_message``,
-  ``chat_template_kwargs``, ``documents``) and ``structured_outputs``;
+  ``chat_template_kwargs``, ``documents``), ``structured_outputs`` and chat's ``include_reasoning``;
 - accepted with no effect on this engine: scheduling and bookkeeping hints (``priority``,
   ``request_id``, ``cache_salt``, ``kv_transfer_params``...), fields about features this engine has
-  not got (reasoning, multimodal inputs) and output extras (``return_token_ids``...);
+  not got (multimodal inputs, a thinking budget) and output extras (``return_token_ids``...);
 - refused by name when they ask for something this engine cannot do and ignoring it would change
   the answer (``use_beam_search: true``, ``allowed_token_ids``, ``bad_words``, ``prompt_embeds``, a
   per-request ``chat_template``, which vLLM also refuses unless its operator trusts them).
@@ -96,7 +96,9 @@ class VllmFields(RequestModel):
     vllm_xargs: dict[str, JsonValue] | None = Field(default=None, description="No effect.")
     repetition_detection: dict[str, int] | None = Field(default=None, description="No effect.")
     stream_interval: int | None = Field(default=None, ge=1, description="No effect: every token is sent.")
-    thinking_token_budget: int | None = Field(default=None, description="No effect (no reasoning models).")
+    thinking_token_budget: int | None = Field(
+        default=None, description="No effect: thinking is not budgeted."
+    )
     # OpenAI fields that change nothing a self-hosted server does.
     store: bool | None = Field(default=None, description="No effect.")
     metadata: dict[str, str] | None = Field(default=None, description="No effect.")
@@ -118,8 +120,13 @@ class VllmFields(RequestModel):
 class VllmChatFields(RequestModel):
     """The fields vLLM adds to chat requests only."""
 
-    reasoning_effort: str | None = Field(default=None, description="No effect (no reasoning models).")
-    include_reasoning: bool = Field(default=True, description="No effect.")
+    reasoning_effort: str | None = Field(
+        default=None, description="No effect: the chat template decides whether a model thinks."
+    )
+    include_reasoning: bool = Field(
+        default=True,
+        description="false: the thinking (option.reasoning_parser) is left out of message.reasoning.",
+    )
     echo: bool = Field(default=False, description="No effect.")
     add_generation_prompt: bool = Field(
         default=True, description="Whether the chat template opens the assistant's turn."

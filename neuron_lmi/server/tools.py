@@ -29,8 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuron_lmi.engine.grammar import check_grammar
-from neuron_lmi.engine.types import GrammarSpec, InvalidRequestError, SamplingParams, TokenEvent
+from neuron_lmi.engine.types import GrammarSpec, SamplingParams, TokenEvent
 from neuron_lmi.server.errors import invalid
 from neuron_lmi.server.options import AppOptions
 from neuron_lmi.server.schemas_grammar import strict_schema
@@ -103,14 +102,12 @@ def _forced_grammar(
         functions, parallel = tuple(chosen), False
     elif choice != "required":
         return None
-    try:
-        spec = parser.grammar(functions, parallel)
-        check_grammar(spec)
-    except (ValueError, InvalidRequestError) as exc:
+    try:  # admission compiles it (check_grammar); a refusal names ``tools``
+        return parser.grammar(functions, parallel).named("tools")
+    except ValueError as exc:
         raise invalid(
             "openai", f"tools: the parameters cannot be compiled into a grammar: {exc}", "tools"
         ) from None
-    return spec
 
 
 def plan_tools(options: AppOptions, tokenizer: Any, req: ChatRequest) -> ToolPlan:
@@ -262,14 +259,16 @@ def with_tool_grammar(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
     return dataclasses.replace(params, grammar=plan.grammar)
 
 
-def tool_message(plan: ToolPlan, events: Sequence[TokenEvent], text: str) -> tuple[dict[str, Any], bool]:
-    """A finished choice's ``message`` and whether it holds tool calls (``text``: its plain text)."""
+def tool_message(
+    plan: ToolPlan, events: Sequence[TokenEvent], text: str, marked: str | None = None
+) -> tuple[dict[str, Any], bool]:
+    """A finished choice's ``message`` and whether it holds tool calls (``text``: its plain text;
+    ``marked``: the text the parser reads, when not all of ``events``' text: an answer after thinking)."""
     if not plan.parse:
         return {"role": "assistant", "content": text}, False
-    markers = plan.parser.markers
-    parsed = parse_output(
-        plan.parser, "".join(tool_text(e, markers) for e in events), plan.grammar is not None
-    )
+    if marked is None:
+        marked = "".join(tool_text(e, plan.parser.markers) for e in events)
+    parsed = parse_output(plan.parser, marked, plan.grammar is not None)
     if not parsed.calls:  # a forced call cut short is no content either (parsed.content is None)
         return {"role": "assistant", "content": text if plan.grammar is None else parsed.content}, False
     calls = [_call_json(c, plan.parser.new_id()) for c in parsed.calls]
@@ -309,8 +308,12 @@ class ToolChoiceStream:
             out[-1]["finish_reason"] = "tool_calls" if self.called else finish
         return out
 
-    def on_event(self, event: TokenEvent) -> tuple[str, list[dict[str, Any]]]:
-        content, calls = self.stream.feed(tool_text(event, self.plan.parser.markers))
+    def on_event(self, event: TokenEvent, text: str | None = None) -> tuple[str, list[dict[str, Any]]]:
+        """Content and tool-call entries for ``event`` (``text``: what the parser reads of it, when not
+        all of its text: the answer part after thinking)."""
+        content, calls = self.stream.feed(
+            tool_text(event, self.plan.parser.markers) if text is None else text
+        )
         if event.finish_reason is not None:
             rest, last = self.stream.finish()
             content, calls = content + rest, calls + last

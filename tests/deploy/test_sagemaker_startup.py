@@ -10,7 +10,7 @@ command on a ``neuron-lmi package`` output (a directory, and a ``model.tar.gz`` 
 serving.properties), and checks what SageMaker relies on: the listening socket is 0.0.0.0 on that
 port, ``GET /ping`` answers promptly, never 200 before the model is loaded, then 200;
 ``POST /invocations`` (LMI schema) returns ``generated_text``; ``stream: true`` gives JSON lines that
-``deploy.sagemaker``'s stream decoder re-assembles from arbitrary ``PayloadPart`` cuts; the
+``neuron_lmi.deploy.sagemaker``'s stream decoder re-assembles from arbitrary ``PayloadPart`` cuts; the
 configuration comes from the packaged ``serving.properties`` or the environment; SIGTERM exits 0,
 and before SageMaker's SIGKILL 30 s later even when a request holds the drain.
 The client only ever talks to 127.0.0.1.
@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
-from deploy.sagemaker import iter_stream_objects
+from neuron_lmi.deploy.sagemaker import iter_stream_objects
 from tests.server.conftest import cli_command, free_port
 
 STARTUP_LIMIT_S = 120.0  # generous for 2 shared CPUs; SageMaker's health-check timeout is the real one

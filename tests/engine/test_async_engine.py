@@ -32,7 +32,7 @@ async def engine(request, tiny_llama_dir):
 async def test_streams_events_in_order_and_matches_sync_output(engine, tiny_llm):
     prompt = random_prompts([15], seed=31)[0]
     expected = tiny_llm.generate([prompt], SamplingParams(max_new_tokens=12))
-    events = [e async for e in engine.generate(prompt, SamplingParams(max_new_tokens=12))]
+    events = [e async for e in engine.generate(engine.admit(prompt, SamplingParams(max_new_tokens=12)))]
     assert [e.index for e in events] == list(range(12))
     assert [e.token_id for e in events] == expected[0].token_ids
     assert events[-1].finish_reason is FinishReason.LENGTH
@@ -40,7 +40,9 @@ async def test_streams_events_in_order_and_matches_sync_output(engine, tiny_llm)
 
 
 async def test_closing_the_stream_aborts_and_frees_the_row(engine):
-    stream = engine.generate(random_prompts([10], seed=1)[0], SamplingParams(max_new_tokens=200))
+    stream = engine.generate(
+        engine.admit(random_prompts([10], seed=1)[0], SamplingParams(max_new_tokens=200))
+    )
     async for _ in stream:
         break
     await stream.aclose()
@@ -54,7 +56,7 @@ async def test_closing_the_stream_aborts_and_frees_the_row(engine):
 
 async def test_invalid_requests_raise_before_anything_is_queued(engine):
     with pytest.raises(InvalidRequestError) as info:
-        engine.generate("hello", SamplingParams(top_p=2.0))
+        engine.generate(engine.admit("hello", SamplingParams(top_p=2.0)))
     assert info.value.field == "top_p"
     assert engine.stats().waiting == 0
 
@@ -62,9 +64,9 @@ async def test_invalid_requests_raise_before_anything_is_queued(engine):
 async def test_queue_beyond_its_bound_is_refused(engine):
     rows, queue_size = engine.max_batch_size, engine.max_queue_size
     params = SamplingParams(max_new_tokens=200)
-    running = [engine.generate(p, params) for p in random_prompts([8] * rows, seed=2)]
+    running = [engine.generate(engine.admit(p, params)) for p in random_prompts([8] * rows, seed=2)]
     await asyncio.gather(*(s.__anext__() for s in running))  # every row is now busy
-    queued = [engine.generate(p, params) for p in random_prompts([8] * queue_size, seed=3)]
+    queued = [engine.generate(engine.admit(p, params)) for p in random_prompts([8] * queue_size, seed=3)]
     waiters = [asyncio.create_task(s.__anext__()) for s in queued]
     for _ in range(200):
         if engine.stats().waiting == queue_size:
@@ -72,7 +74,7 @@ async def test_queue_beyond_its_bound_is_refused(engine):
         await asyncio.sleep(0.01)
     assert engine.stats().waiting == queue_size
     with pytest.raises(EngineOverloadedError, match="max_queue_size=4"):
-        engine.generate("one more", SamplingParams(max_new_tokens=4))
+        engine.generate(engine.admit("one more", SamplingParams(max_new_tokens=4)))
     for task in waiters:
         task.cancel()
     await asyncio.gather(*waiters, return_exceptions=True)
@@ -82,7 +84,7 @@ async def test_queue_beyond_its_bound_is_refused(engine):
 
 async def test_concurrent_streams_all_finish_and_rows_return(engine):
     async def run(prompt):
-        return [e async for e in engine.generate(prompt, SamplingParams(max_new_tokens=6))]
+        return [e async for e in engine.generate(engine.admit(prompt, SamplingParams(max_new_tokens=6)))]
 
     results = await asyncio.gather(*(run(p) for p in random_prompts([5, 9, 13, 17, 21, 25], seed=3)))
     assert all(r[-1].finish_reason is FinishReason.LENGTH and len(r) == 6 for r in results)

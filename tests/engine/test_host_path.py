@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from neuron_lmi.engine.detokenizer import TextStream
-from neuron_lmi.engine.step_clock import StepClock, TimedRunner
+from neuron_lmi.engine.step_clock import ForwardTimer, StepClock
 from neuron_lmi.engine.streams import Mailbox, post, read_stream
-from neuron_lmi.engine.types import FinishReason, TokenEvent
+from neuron_lmi.engine.types import FinishReason, SamplingParams, TokenEvent
 from neuron_lmi.models import native, token_draw
 from neuron_lmi.runners.base import BatchKind, StepBatch
 from neuron_lmi.server.metrics import ServerMetrics
@@ -119,29 +119,21 @@ def test_draw_is_reproducible_per_row_whatever_the_batch() -> None:
     assert batched[1] == alone[0]
 
 
-class _Rows:
-    n_rows = 4
-
-
-class _Runner:
-    rows = _Rows()
-
-    def forward(self, batch: StepBatch) -> str:
-        return "logits"
-
-
 def _decode_batch(rows: list[int]) -> StepBatch:
     n = len(rows)
     return StepBatch(BatchKind.DECODE, tuple(rows), (9,) * n, ((5,),) * n, (True,) * n, decodes=n)
 
 
+def _forward(timer: ForwardTimer, batch: StepBatch) -> str:
+    return timer.timed(lambda: "logits", batch.decodes)  # as the core times its runner's forward
+
+
 def test_step_clock_splits_host_from_model_time() -> None:
-    runner = TimedRunner(_Runner())
-    assert runner.rows.n_rows == 4 and not hasattr(runner, "extend")  # the wrapped runner's attributes only
-    clock = StepClock(runner, window=2)
+    timer = ForwardTimer()
+    clock = StepClock(timer, n_rows=4, window=2)
     for _ in range(3):
         clock.begin()
-        assert runner.forward(_decode_batch([0, 1, 2])) == "logits"
+        assert _forward(timer, _decode_batch([0, 1, 2])) == "logits"
         clock.end()
     clock.begin()
     clock.end()  # an iteration without a decode is counted, not averaged
@@ -154,16 +146,28 @@ def test_step_clock_splits_host_from_model_time() -> None:
 def test_a_mixed_steps_decodes_are_its_one_token_chunks() -> None:
     """A step sent as one EXTEND batch (``mixed_steps``) decodes the rows whose line is a decode:
     four of them make a full batch, the 30-token prompt chunk beside them does not count."""
-    runner = TimedRunner(_Runner())
-    clock = StepClock(runner, window=2)
+    timer = ForwardTimer()
+    clock = StepClock(timer, n_rows=4, window=2)
     clock.begin()
     chunks = ((5,), (6,), (7,), (8,), tuple(range(30)))
     mixed = StepBatch(BatchKind.EXTEND, (0, 1, 2, 3, 4), (9, 9, 9, 9, 0), chunks, (True,) * 5, decodes=4)
-    assert runner.forward(mixed) == "logits"
+    assert _forward(timer, mixed) == "logits"
     clock.end()
     snap = clock.snapshot()
-    assert runner.decoded_rows == 4 and snap["decode_batch"] == 4
+    assert timer.decoded_rows == 4 and snap["decode_batch"] == 4
     assert snap["host_ms_per_full_step"] + snap["model_ms_per_full_step"] > 0  # in the full-batch window
+
+
+def test_the_core_times_every_forward_it_makes(tiny_llm: Any) -> None:
+    """Prefill, decodes and prompt scoring all count as model time (the core times them itself)."""
+    core = tiny_llm.core
+    timer = core.forward_timer
+    before = (timer.forward_s, timer.decoded_rows)
+    params = SamplingParams(max_new_tokens=3, prompt_logprobs=0, ignore_eos=True)
+    core.add(core.make_request([5, 6, 7], params))
+    while core.has_work():
+        core.step()
+    assert timer.forward_s > before[0] and timer.decoded_rows - before[1] == 2
 
 
 def test_text_stream_holds_a_possible_stop_and_cuts_a_real_one(tokenizer: Any) -> None:
@@ -188,6 +192,9 @@ class _Engine:
         from neuron_lmi.engine.types import EngineStats
 
         return EngineStats(4, 1, 10, 0, 1, True, {"host_ms_per_step": 1.5, "decode_batch": 1.0})
+
+    def prometheus_collectors(self) -> list[Any]:
+        return []
 
 
 def test_metrics_export_the_engines_own_step_times() -> None:

@@ -15,6 +15,7 @@ from neuron_lmi.engine.process_engine import RESTART_RETRY_AFTER_S, ProcessEngin
 from neuron_lmi.engine.types import (
     EngineDeadError,
     FinishReason,
+    GrammarSpec,
     InvalidRequestError,
     SamplingParams,
     TokenEvent,
@@ -34,7 +35,7 @@ def engine(tiny_llama_dir: Path) -> Iterator[ProcessEngine]:
 
 async def _run(engine: ProcessEngine, prompt: list[int], params: SamplingParams) -> list[TokenEvent]:
     await engine.start()
-    return [e async for e in engine.generate(prompt, params)]
+    return [e async for e in engine.generate(engine.admit(prompt, params))]
 
 
 async def test_text_and_stop_sequences_match_the_in_process_engine(
@@ -62,13 +63,14 @@ async def test_text_and_stop_sequences_match_the_in_process_engine(
 
 
 async def test_a_request_the_engine_refuses_fails_its_stream(engine: ProcessEngine) -> None:
-    """What only the engine process can check surfaces from the stream's first step."""
+    """What only the engine process can check (a grammar against its tokenizer: a token id past the
+    vocabulary passes admission's tokenizer-free check) surfaces from the stream's first step."""
     await engine.start()
-    params = SamplingParams(max_new_tokens=4, logit_bias=((10**7, 1.0),))
-    stream = engine.generate([5, 6, 7], params)
+    params = SamplingParams(max_new_tokens=4, grammar=GrammarSpec.ebnf('start: <[99999999]> "a"'))
+    stream = engine.generate(engine.admit([5, 6, 7], params))
     with pytest.raises(InvalidRequestError) as info:
         await anext(stream)
-    assert info.value.field == "logit_bias"
+    assert info.value.field == "grammar" and "Token range" in str(info.value)
     events = await _run(engine, [5, 6, 7], SamplingParams(max_new_tokens=3))
     assert len(events) == 3  # the engine carries on
 
@@ -76,12 +78,15 @@ async def test_a_request_the_engine_refuses_fails_its_stream(engine: ProcessEngi
 async def test_invalid_and_too_long_requests_are_refused_before_submission(engine: ProcessEngine) -> None:
     await engine.start()
     with pytest.raises(InvalidRequestError) as info:
-        engine.generate([1, 2], SamplingParams(max_new_tokens=300))
+        engine.generate(engine.admit([1, 2], SamplingParams(max_new_tokens=300)))
     assert info.value.field == "max_new_tokens"
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
-        engine.generate([engine.vocab_size], SamplingParams(max_new_tokens=2))
+        engine.generate(engine.admit([engine.vocab_size], SamplingParams(max_new_tokens=2)))
     with pytest.raises(InvalidRequestError, match="exceeds n_positions"):
-        engine.generate([3] * 250, SamplingParams(max_new_tokens=10))
+        engine.generate(engine.admit([3] * 250, SamplingParams(max_new_tokens=10)))
+    with pytest.raises(InvalidRequestError) as info:  # the API process knows the vocabulary
+        engine.admit([5, 6, 7], SamplingParams(max_new_tokens=4, logit_bias=((10**7, 1.0),)))
+    assert info.value.field == "logit_bias"
 
 
 async def test_host_time_per_step_is_reported(engine: ProcessEngine) -> None:
@@ -101,7 +106,7 @@ async def test_a_dead_engine_process_ends_every_stream_and_is_reported(tiny_llam
     deaths: list[BaseException] = []
     engine.on_death.append(deaths.append)
     await engine.start()
-    stream = engine.generate(random_prompts([8], seed=3)[0], SamplingParams(max_new_tokens=200))
+    stream = engine.generate(engine.admit(random_prompts([8], seed=3)[0], SamplingParams(max_new_tokens=200)))
     first = await anext(stream)
     assert first.finish_reason is None
     engine._proc.kill()  # as the OOM killer would
@@ -112,7 +117,7 @@ async def test_a_dead_engine_process_ends_every_stream_and_is_reported(tiny_llam
     assert not engine.stats().alive
     assert deaths and isinstance(deaths[0], EngineDeadError)
     with pytest.raises(EngineDeadError):
-        engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
+        engine.generate(engine.admit([1, 2, 3], SamplingParams(max_new_tokens=2)))
     await engine.stop(grace_s=0.1)
 
 
@@ -131,7 +136,7 @@ async def test_a_dead_engine_process_is_restarted_a_bounded_number_of_times(tiny
     engine.on_death.append(deaths.append)
     await engine.start()
     prompt, params = random_prompts([8], seed=3)[0], SamplingParams(max_new_tokens=200)
-    stream = engine.generate(prompt, params)
+    stream = engine.generate(engine.admit(prompt, params))
     await anext(stream)
     first = engine._proc
     first.kill()
@@ -140,7 +145,12 @@ async def test_a_dead_engine_process_is_restarted_a_bounded_number_of_times(tiny
             pass
     assert died.value.retry_after_s == RESTART_RETRY_AFTER_S  # the client is told when to retry
     assert await _alive_within(engine, 120) and engine._proc is not first and engine.restarts == 1
-    done = [e async for e in engine.generate(prompt, SamplingParams(max_new_tokens=3, temperature=0.0))]
+    done = [
+        e
+        async for e in engine.generate(
+            engine.admit(prompt, SamplingParams(max_new_tokens=3, temperature=0.0))
+        )
+    ]
     assert [e.finish_reason for e in done if e.finish_reason] == [FinishReason.LENGTH] and not deaths
     assert engine.stats().rows_used == 0  # the new process's rows, none leaked
     engine._proc.kill()  # the restart is spent: this death is final
@@ -149,7 +159,7 @@ async def test_a_dead_engine_process_is_restarted_a_bounded_number_of_times(tiny
         await asyncio.sleep(0.1)
     assert deaths and not engine.stats().alive
     with pytest.raises(EngineDeadError) as refused:
-        engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
+        engine.generate(engine.admit([1, 2, 3], SamplingParams(max_new_tokens=2)))
     assert refused.value.retry_after_s is None
     await engine.stop(grace_s=0.1)
 

@@ -150,7 +150,7 @@ async def test_protocol_and_start(engine) -> None:
 
 
 async def test_stream_maps_every_delta(engine) -> None:
-    events = [e async for e in engine.generate("hello world", SamplingParams(max_new_tokens=4))]
+    events = [e async for e in engine.generate(engine.admit("hello world", SamplingParams(max_new_tokens=4)))]
     assert [e.token_id for e in events] == [100, 101, 102, 103]
     assert "".join(e.text for e in events) == "t0t1t2t3"
     assert events[-1].finish_reason is FinishReason.LENGTH
@@ -158,7 +158,7 @@ async def test_stream_maps_every_delta(engine) -> None:
 
 
 async def test_close_mid_stream_aborts_in_vllm(engine) -> None:
-    stream = engine.generate("hello", SamplingParams(max_new_tokens=30), "r1")
+    stream = engine.generate(engine.admit("hello", SamplingParams(max_new_tokens=30), "r1"))
     await anext(stream)
     assert engine.stats().rows_used == 1 and engine.stats().positions_used > 0
     await stream.aclose()
@@ -167,13 +167,13 @@ async def test_close_mid_stream_aborts_in_vllm(engine) -> None:
 
 
 async def test_never_iterated_stream_holds_no_row(engine) -> None:
-    engine.generate("hello", SamplingParams(max_new_tokens=3))
+    engine.generate(engine.admit("hello", SamplingParams(max_new_tokens=3)))
     assert engine.stats().rows_used == 0
 
 
 async def test_abort_by_id(engine) -> None:
     events = []
-    async for ev in engine.generate("hello", SamplingParams(max_new_tokens=30), "r2"):
+    async for ev in engine.generate(engine.admit("hello", SamplingParams(max_new_tokens=30), "r2")):
         events.append(ev)
         if len(events) == 2:
             await engine.abort("r2")
@@ -182,36 +182,36 @@ async def test_abort_by_id(engine) -> None:
 
 async def test_overload_and_validation(engine) -> None:
     params = SamplingParams(max_new_tokens=30)
-    streams = [engine.generate("hi", params) for _ in range(3)]
+    streams = [engine.generate(engine.admit("hi", params)) for _ in range(3)]
     for s in streams:  # admitted: 2 rows + 1 queue slot
         await anext(s)
     with pytest.raises(EngineOverloadedError):
-        engine.generate("hi", params)
+        engine.generate(engine.admit("hi", params))
     for s in streams:
         await s.aclose()
     assert engine.stats().waiting == 0 and engine.stats().running == 0
     with pytest.raises(InvalidRequestError) as info:
-        engine.generate("hi", SamplingParams(max_new_tokens=64))
+        engine.generate(engine.admit("hi", SamplingParams(max_new_tokens=64)))
     assert info.value.field == "max_new_tokens"
     with pytest.raises(InvalidRequestError) as info:
-        engine.generate("hello " * 40, SamplingParams(max_new_tokens=40))
+        engine.generate(engine.admit("hello " * 40, SamplingParams(max_new_tokens=40)))
     assert info.value.field == "inputs"
 
 
 async def test_dead_engine(engine) -> None:
     engine._backend.llm.die_after = 1
     with pytest.raises(EngineDeadError):
-        async for _ in engine.generate("hello", SamplingParams(max_new_tokens=5)):
+        async for _ in engine.generate(engine.admit("hello", SamplingParams(max_new_tokens=5))):
             pass
     assert not engine.stats().alive
     with pytest.raises(EngineDeadError):
-        engine.generate("hello", SamplingParams(max_new_tokens=5))
+        engine.generate(engine.admit("hello", SamplingParams(max_new_tokens=5)))
 
 
 async def test_stop_refuses_new_requests(engine) -> None:
     await engine.stop(grace_s=0.1)
     with pytest.raises(EngineDeadError):
-        engine.generate("hello", SamplingParams(max_new_tokens=5))
+        engine.generate(engine.admit("hello", SamplingParams(max_new_tokens=5)))
 
 
 def test_tokenizer_and_n_positions_before_start(tiny_llama_dir) -> None:
@@ -223,21 +223,24 @@ def test_tokenizer_and_n_positions_before_start(tiny_llama_dir) -> None:
 
 async def test_vllm_refusals_become_invalid_request_errors(engine) -> None:
     with pytest.raises(InvalidRequestError) as info:
-        engine.generate("hi", SamplingParams(max_new_tokens=3, temperature=2.5))
+        engine.generate(engine.admit("hi", SamplingParams(max_new_tokens=3, temperature=2.5)))
     assert info.value.field == "temperature" and "[0, 2]" in str(info.value)
     with pytest.raises(InvalidRequestError) as info:
-        engine.generate("hi", SamplingParams(max_new_tokens=3, repetition_penalty=60.0))
+        engine.generate(engine.admit("hi", SamplingParams(max_new_tokens=3, repetition_penalty=60.0)))
     assert info.value.field == "repetition_penalty"
     # Refused when vLLM adds it (the server primes the first event, so this is still a 4xx).
     with pytest.raises(InvalidRequestError) as info:
-        await anext(engine.generate(list(range(21)), SamplingParams(max_new_tokens=3)))
+        await anext(engine.generate(engine.admit(list(range(21)), SamplingParams(max_new_tokens=3))))
     assert info.value.field == "inputs"
     assert engine.stats().rows_used == 0 and not engine._backend.llm.aborted
 
 
 async def test_non_streaming_requests_ask_for_the_final_output_only(engine) -> None:
-    streamed = [e async for e in engine.generate("hello", SamplingParams(max_new_tokens=3))]
-    final = [e async for e in engine.generate("hello", SamplingParams(max_new_tokens=3, stream=False))]
+    streamed = [e async for e in engine.generate(engine.admit("hello", SamplingParams(max_new_tokens=3)))]
+    final = [
+        e
+        async for e in engine.generate(engine.admit("hello", SamplingParams(max_new_tokens=3, stream=False)))
+    ]
     assert [e.token_id for e in final] == [e.token_id for e in streamed] == [100, 101, 102]
     assert "".join(e.text for e in final) == "".join(e.text for e in streamed) == "t0t1t2"
     assert [e.index for e in final] == [0, 1, 2] and final[-1].finish_reason is FinishReason.LENGTH
@@ -250,11 +253,16 @@ async def test_model_sampling_defaults_fill_only_unset_fields(engine) -> None:
     params = SamplingParams(
         max_new_tokens=2, temperature=1.0, top_p=1.0, unset=frozenset({"temperature", "min_p"})
     )
-    [_ async for _ in engine.generate("hello", params)]
+    [_ async for _ in engine.generate(engine.admit("hello", params))]
     sent = engine._backend.sampling[-1]
     assert sent["temperature"] == 0.6 and sent["min_p"] == 0.05  # unset: the model's
     assert sent["top_p"] == 1.0  # set by the request: kept
-    [_ async for _ in engine.generate("hello", SamplingParams(max_new_tokens=2, temperature=0.0))]
+    [
+        _
+        async for _ in engine.generate(
+            engine.admit("hello", SamplingParams(max_new_tokens=2, temperature=0.0))
+        )
+    ]
     assert engine._backend.sampling[-1]["temperature"] == 0.0 and "min_p" not in engine._backend.sampling[-1]
 
 

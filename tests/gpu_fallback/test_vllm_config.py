@@ -226,7 +226,7 @@ def test_schemas_tell_the_engine_what_vllm_needs() -> None:
     chat = schemas_openai.ChatRequest.model_validate(
         {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.2, "stream": False}
     )
-    params = schemas_openai.to_sampling(chat, 8, 0, 64)
+    params = schemas_openai.to_sampling(chat, 8, 0)
     assert not params.stream and not params.logprobs and params.temperature == 0.2
     assert params.unset == {
         "top_p",
@@ -237,11 +237,11 @@ def test_schemas_tell_the_engine_what_vllm_needs() -> None:
         "min_p",
     }
 
-    plain = schemas_lmi.to_sampling(schemas_lmi.LmiParameters(), "lmi", 64, stream=False)
+    plain = schemas_lmi.to_sampling(schemas_lmi.LmiParameters(), "lmi", stream=False)
     assert not plain.stream and not plain.logprobs and plain.greedy and "temperature" not in plain.unset
-    sampled = schemas_lmi.to_sampling(schemas_lmi.LmiParameters(do_sample=True, details=True), "tgi", 64)
+    sampled = schemas_lmi.to_sampling(schemas_lmi.LmiParameters(do_sample=True, details=True), "tgi")
     assert sampled.stream and sampled.logprobs and {"temperature", "top_p", "min_p"} <= sampled.unset
-    assert schemas_lmi.to_sampling(schemas_lmi.LmiParameters(top_n_tokens=2), "lmi", 64).logprobs
+    assert schemas_lmi.to_sampling(schemas_lmi.LmiParameters(top_n_tokens=2), "lmi").logprobs
 
 
 def test_cuda_image_pins_the_vllm_the_tests_run_against() -> None:

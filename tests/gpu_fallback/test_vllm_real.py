@@ -53,7 +53,7 @@ async def engine(vllm_env, smollm2_safetensors):
 
 
 async def collect(engine, prompt, params, request_id=None):
-    return [ev async for ev in engine.generate(prompt, params, request_id)]
+    return [ev async for ev in engine.generate(engine.admit(prompt, params, request_id))]
 
 
 async def vllm_direct(engine, prompt_ids, max_tokens):
@@ -139,7 +139,9 @@ async def test_seed_makes_sampling_reproducible(engine):
 
 
 async def test_close_aborts_and_frees_the_row(engine):
-    stream = engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=400, ignore_eos=True), "to-close")
+    stream = engine.generate(
+        engine.admit(PROMPTS[2], SamplingParams(max_new_tokens=400, ignore_eos=True), "to-close")
+    )
     got = [await anext(stream) for _ in range(3)]
     assert engine.stats().rows_used == 1
     await stream.aclose()
@@ -159,7 +161,7 @@ async def test_abort_by_id_ends_the_stream(engine):
 
     async def consume():
         async for ev in engine.generate(
-            PROMPTS[2], SamplingParams(max_new_tokens=400, ignore_eos=True), "ab1"
+            engine.admit(PROMPTS[2], SamplingParams(max_new_tokens=400, ignore_eos=True), "ab1")
         ):
             events.append(ev)
             if len(events) == 2:
@@ -194,7 +196,7 @@ async def test_concurrent_greedy_equals_solo(engine):
 )
 async def test_invalid_requests_name_the_field(engine, prompt, params, field):
     with pytest.raises(InvalidRequestError) as info:
-        engine.generate(prompt, params)
+        engine.generate(engine.admit(prompt, params))
     assert info.value.field == field
     assert engine.stats().rows_used == 0
 
@@ -202,7 +204,7 @@ async def test_invalid_requests_name_the_field(engine, prompt, params, field):
 async def test_vllm_own_limits_are_refused_by_name(engine):
     # vLLM 0.32's SamplingParams refuses temperature > 2 (our engine allows up to 100): a 4xx naming it.
     with pytest.raises(InvalidRequestError) as info:
-        engine.generate("hi", SamplingParams(temperature=2.5))
+        engine.generate(engine.admit("hi", SamplingParams(temperature=2.5)))
     assert info.value.field == "temperature" and "2" in str(info.value)
     assert engine.stats().rows_used == 0
 

@@ -166,7 +166,7 @@ def direct_greedy(engine, prompt: str | list[int], max_new_tokens: int) -> tuple
     async def run() -> tuple[str, list[int]]:
         await engine.start()
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-        events = [e async for e in engine.generate(prompt, params)]
+        events = [e async for e in engine.generate(engine.admit(prompt, params))]
         return "".join(e.text for e in events), [e.token_id for e in events]
 
     return asyncio.run(run())

@@ -78,7 +78,7 @@ def _chat(**fields: Any) -> ChatRequest:
 
 def test_every_vllm_chat_field_is_accepted_and_the_meaningful_ones_reach_the_engine() -> None:
     req = _chat(**VLLM_CHAT_FIELDS, stream=True)
-    params = to_sampling(req, 16, 0, 256)
+    params = to_sampling(req, 16, 0)
     assert params.top_k == 5 and params.min_p == 0.05 and params.repetition_penalty == 1.1
     assert params.stop_token_ids == (7,) and params.stop_text is StopText.INCLUDE
     assert params.skip_special_tokens is False and params.min_tokens == 1
@@ -90,7 +90,7 @@ def test_every_vllm_chat_field_is_accepted_and_the_meaningful_ones_reach_the_eng
 def test_completion_takes_vllm_fields_too() -> None:
     body = {"prompt": "x", "stop_token_ids": [3], "skip_special_tokens": False, "priority": 5}
     req = parse_body(json.dumps(body).encode(), CompletionRequest, "openai")
-    assert to_sampling(req, 4, 0, 256).stop_token_ids == (3,)
+    assert to_sampling(req, 4, 0).stop_token_ids == (3,)
 
 
 @pytest.mark.parametrize(
@@ -106,7 +106,7 @@ def test_completion_takes_vllm_fields_too() -> None:
 )
 def test_what_this_engine_cannot_do_is_refused_by_name(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(ApiError) as info:
-        to_sampling(_chat(**fields), 16, 0, 256)
+        to_sampling(_chat(**fields), 16, 0)
     assert info.value.status == 400 and info.value.field == param
 
 
@@ -145,7 +145,7 @@ def test_lmi_parameters_it_does_not_use_are_passed_over_and_known_ones_still_che
     body = {"inputs": "x", "parameters": {"max_new_tokens": 4, "sagemaker_base_url": "http://x"}}
     req = parse_body(json.dumps(body).encode(), LmiRequest, "invocations")
     assert req.parameters.model_extra == {"sagemaker_base_url": "http://x"}
-    params = lmi_sampling(req.parameters, "invocations", 256)
+    params = lmi_sampling(req.parameters, "invocations")
     assert params.max_new_tokens == 4 and params.stop_text is StopText.TOKEN
     with pytest.raises(ApiError) as info:
         parse_body(b'{"inputs": "x", "parameters": {"max_new_tokens": "4"}}', LmiRequest, "invocations")

@@ -16,10 +16,7 @@ def build_cpu_engine(request: registry.BuildRequest) -> Any:
 
     path = fetch(request.resolved, request.env)
     options = cpu.CpuEngineOptions.from_resolved(request.resolved, path, request.tp_degree)
-    engine = cpu.cpu_process_engine(options)
-    engine.model_name = model_name(request.resolved)
-    engine.dtype = options.dtype  # what /info reports as model_dtype
-    return engine
+    return cpu.cpu_process_engine(options, model_name=model_name(request.resolved))
 
 
 registry.register("cpu", build_cpu_engine)

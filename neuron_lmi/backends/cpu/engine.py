@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from neuron_lmi.config.dtypes import DTYPES, canonical_dtype
 from neuron_lmi.config.options import (
     DEFAULT_MAX_PREFILL_TOKENS,
     DEFAULT_MAX_QUEUE_SIZE,
@@ -31,7 +32,6 @@ from neuron_lmi.config.options import (
 )
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.process_engine import DEFAULT_MAX_RESTARTS, ProcessEngine
-from neuron_lmi.engine.scheduler import JoinPolicy
 from neuron_lmi.models.native import build_in_background, host_cpu_flags
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+CPU_DTYPES = ("fp32", "bf16")  # of the dtype table's (fp16 has no fast CPU kernels)
 # /proc/cpuinfo flags of CPUs with native bf16 matmuls (AVX-512 BF16 dot products, AMX tiles).
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 CPU_QUANTIZE = ("int8", "int4")  # option.quantize values the CPU engine runs (weight-only)
@@ -129,10 +129,12 @@ class CpuEngineOptions:
         return resolve_cpu_dtype(self.dtype)
 
     def torch_dtype(self) -> torch.dtype:
-        dtype = self.dtype_name()
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported by the CPU engine (use fp32, bf16 or auto)")
-        return DTYPES[dtype]
+        dtype = canonical_dtype(self.dtype_name())
+        if dtype not in CPU_DTYPES:
+            raise ValueError(
+                f"dtype {self.dtype_name()!r} is not supported by the CPU engine (use fp32, bf16 or auto)"
+            )
+        return getattr(torch, DTYPES[dtype].torch_name)
 
     def validate_quantize(self) -> None:
         if self.quantize is not None and self.quantize not in CPU_QUANTIZE:
@@ -145,7 +147,7 @@ class CpuEngineOptions:
 
 
 def build_cpu_engine_core(
-    options: CpuEngineOptions, policy: JoinPolicy | None = None
+    options: CpuEngineOptions,
 ) -> tuple[EngineCore, Any]:
     """Load weights and tokenizer, build the model and its runner; returns (core, config)."""
     from neuron_lmi.backends.common import eos_ids_for
@@ -188,31 +190,34 @@ def build_cpu_engine_core(
         options.quantize or "dense",
         runner.cache.nbytes() / 2**20,
     )
-    core = EngineCore(
-        runner, tokenizer, eos_ids_for(ckpt.config, tokenizer), options.max_prefill_tokens, policy
-    )
+    core = EngineCore(runner, tokenizer, eos_ids_for(ckpt.config, tokenizer), options.max_prefill_tokens)
     return core, ckpt.config
 
 
-def cpu_engine_core(options: CpuEngineOptions, policy: JoinPolicy | None = None) -> EngineCore:
+def cpu_engine_core(options: CpuEngineOptions) -> EngineCore:
     """The CPU engine's ``EngineCore`` alone: ``ProcessEngine``'s factory (picklable with its
     arguments, through ``functools.partial``), run in the engine process."""
-    return build_cpu_engine_core(options, policy)[0]
+    return build_cpu_engine_core(options)[0]
 
 
-def cpu_process_engine(options: CpuEngineOptions, policy: JoinPolicy | None = None) -> ProcessEngine:
-    """The CPU engine in its own process (what ``serve`` runs), built there from its options whole."""
-    factory = functools.partial(cpu_engine_core, options, policy)
+def cpu_process_engine(options: CpuEngineOptions, model_name: str | None = None) -> ProcessEngine:
+    """The CPU engine in its own process (what ``serve`` runs), built there from its options whole;
+    served as ``model_name`` (the model's path by default)."""
+    factory = functools.partial(cpu_engine_core, options)
     return ProcessEngine(
-        factory, options.model, max_queue_size=options.max_queue_size, max_restarts=options.max_restarts
+        factory,
+        model_name or options.model,
+        max_queue_size=options.max_queue_size,
+        max_restarts=options.max_restarts,
+        model_dtype=options.dtype,
     )
 
 
-def cpu_thread_engine(options: CpuEngineOptions, policy: JoinPolicy | None = None) -> AsyncEngine:
+def cpu_thread_engine(options: CpuEngineOptions) -> AsyncEngine:
     """The CPU engine on a thread of this process, behind the same ``Engine`` protocol."""
     from neuron_lmi.engine.async_engine import AsyncEngine
 
-    core, _config = build_cpu_engine_core(options, policy)
+    core, _config = build_cpu_engine_core(options)
     return AsyncEngine(core, model_name=options.model, max_queue_size=options.max_queue_size)
 
 

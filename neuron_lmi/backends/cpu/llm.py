@@ -10,7 +10,6 @@ from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_co
 from neuron_lmi.config.options import DEFAULT_MODEL
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.detokenizer import TextSink, TokenTexts, text_decoder, text_stream
-from neuron_lmi.engine.scheduler import JoinPolicy
 from neuron_lmi.engine.types import FinishReason, SamplingParams, TokenEvent
 
 
@@ -31,11 +30,9 @@ class Completion:
 class LLM:
     """Offline batch generation on the CPU engine; all prompts share the rolling batch."""
 
-    def __init__(
-        self, model: str = DEFAULT_MODEL, policy: JoinPolicy | None = None, **options: object
-    ) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, **options: object) -> None:
         self.options = CpuEngineOptions(model=model, **options)  # type: ignore[arg-type]
-        self.core, self.config = build_cpu_engine_core(self.options, policy)
+        self.core, self.config = build_cpu_engine_core(self.options)
 
     @classmethod
     def from_core(cls, core: EngineCore) -> LLM:

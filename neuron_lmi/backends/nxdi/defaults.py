@@ -26,7 +26,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from neuron_lmi.backends.nxdi.support import NKI_RISK, Platform
-from neuron_lmi.config.options import DTYPE_ALIASES
+from neuron_lmi.config.dtypes import canonical_dtype
 
 if TYPE_CHECKING:
     from neuron_lmi.config.options import ServingConfig
@@ -72,8 +72,9 @@ def checkpoint_dtype(model_config: Mapping[str, Any]) -> tuple[str, str] | None:
     transformers 5), or None where it names none we serve."""
     for key in ("torch_dtype", "dtype"):
         raw = model_config.get(key)
-        if isinstance(raw, str) and raw.strip().lower().removeprefix("torch.") in DTYPE_ALIASES:
-            return DTYPE_ALIASES[raw.strip().lower().removeprefix("torch.")], f"{key}={raw}"
+        name = canonical_dtype(raw) if isinstance(raw, str) else None
+        if name is not None:
+            return name, f"{key}={raw}"
     return None
 
 

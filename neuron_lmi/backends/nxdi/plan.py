@@ -71,6 +71,7 @@ from neuron_lmi.backends.nxdi.support import (
     library_release,
     release,
 )
+from neuron_lmi.config.dtypes import DTYPES
 
 if TYPE_CHECKING:
     from neuron_lmi.config.options import ServingConfig
@@ -81,7 +82,7 @@ DEFAULT_GLOBAL_TOPK = 256  # OnDeviceSamplingConfig's global_topk default (model
 ON_DEVICE_SAMPLING: Mapping[str, Any] = MappingProxyType(
     {"dynamic": True, "do_sample": True, "deterministic": False, "global_topk": DEFAULT_GLOBAL_TOPK}
 )
-TORCH_DTYPES = MappingProxyType({"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"})
+TORCH_DTYPES = MappingProxyType({d.name: d.torch_name for d in DTYPES.values()})
 DTYPE_NAMES = MappingProxyType({torch_name: name for name, torch_name in TORCH_DTYPES.items()})
 # option.quantize -> NxD Inference's weight quantization dtype; static_int8 is LMI's tnx spelling.
 QUANTIZATION_DTYPES = MappingProxyType({"int8": "int8", "static_int8": "int8", "fp8": "f8e4m3"})

@@ -34,9 +34,10 @@ from typing import Any
 
 from compile_cache.key import token_generation_buckets
 from neuron_lmi.backends.dispatch import NEURON_PIP_REPOSITORY
+from neuron_lmi.config.dtypes import DTYPES
 from neuron_lmi.parallel.tnx_rules import GQAStrategy, continuous_batching_strategy
 
-AMP = MappingProxyType({"fp32": "f32", "fp16": "f16", "bf16": "bf16"})
+AMP = MappingProxyType({d.name: d.amp for d in DTYPES.values()})
 QUANTIZE_METHODS = ("static_int8",)  # LMI's option.quantize for transformers-neuronx
 NEURON_PACKAGES = ("transformers-neuronx", "torch-neuronx", "neuronx-cc")
 MIN_BUCKET = 128

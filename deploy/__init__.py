@@ -1,1 +1,0 @@
-"""Deployment helpers and artifacts: SageMaker (``deploy.sagemaker``), Dockerfiles, Kubernetes, systemd."""
