@@ -21,8 +21,7 @@ from neuron_lmi.backends.nxdi.artifacts import new_application
 from neuron_lmi.backends.nxdi.plan import plan_nxdi
 from neuron_lmi.backends.nxdi.support import UnsupportedReleaseError
 from neuron_lmi.config import load_config
-from tests.backends.nxdi_library import library
-from tests.backends.test_nxdi_plan import (
+from tests.backends.nxdi.test_plan import (
     LLAMA_2_70B,
     LLAMA_3_3_70B,
     LLAMA_3_8B,
@@ -31,6 +30,7 @@ from tests.backends.test_nxdi_plan import (
     TRN2_TUNED_70B,
     model_dir,
 )
+from tests.backends.nxdi_library import library
 
 BASE = "option.model_loader=nxdi\n"
 DEPLOYMENTS = {

@@ -15,7 +15,7 @@ from neuron_lmi.backends.nxdi.defaults import PROFILE_LEFT_OUT, TRN2_TUNED, appl
 from neuron_lmi.backends.nxdi.plan import plan_nxdi
 from neuron_lmi.backends.nxdi.support import Platform
 from neuron_lmi.config import load_config
-from tests.backends.test_nxdi_plan import (
+from tests.backends.nxdi.test_plan import (
     LLAMA_2_70B,
     LLAMA_3_3_70B,
     LLAMA_3_8B,

@@ -19,7 +19,7 @@ from neuron_lmi.backends.nxdi.support import (
     host_platform,
     target_platform,
 )
-from tests.backends.test_nxdi_plan import LLAMA_3_8B, MISTRAL_7B, MIXTRAL_8X7B, plan_for
+from tests.backends.nxdi.test_plan import LLAMA_3_8B, MISTRAL_7B, MIXTRAL_8X7B, plan_for
 
 ON_CPU = 'option.override_neuron_config={"on_cpu": true}\n'
 
