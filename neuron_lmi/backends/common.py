@@ -13,12 +13,16 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from compile_cache import CompileCache, open_store
+from neuron_lmi.config import apply_model_defaults
+from neuron_lmi.config.hf_config import max_position_embeddings, read_hf_config
 from neuron_lmi.config.options import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MODEL
+from neuron_lmi.engine.async_engine import AsyncEngine
+from neuron_lmi.engine.core import EngineCore
+from neuron_lmi.model_source import fetch_model
 
 if TYPE_CHECKING:
-    from compile_cache import CompileCache
     from neuron_lmi.config import ResolvedConfig
-    from neuron_lmi.engine.async_engine import AsyncEngine
 
 
 def model_cache_dir(env: Mapping[str, str]) -> Path:
@@ -33,8 +37,6 @@ def model_name(resolved: ResolvedConfig) -> str:
 def fetch(resolved: ResolvedConfig, env: Mapping[str, str]) -> Path:
     """The model as a local directory or file (built-in, local, ``s3://``, Hub), within
     ``option.model_loading_timeout``."""
-    from neuron_lmi.model_source import fetch_model
-
     model = resolved.config.model
     return fetch_model(
         model_name(resolved), model_cache_dir(env), model.model_loading_timeout, env, revision=model.revision
@@ -42,7 +44,6 @@ def fetch(resolved: ResolvedConfig, env: Mapping[str, str]) -> Path:
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
-    from neuron_lmi.config.hf_config import read_hf_config
 
     return read_hf_config(path, "the Neuron backends")
 
@@ -50,9 +51,6 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
 def with_model_defaults(resolved: ResolvedConfig, path: str | Path) -> ResolvedConfig:
     """``n_positions`` from LMI's smart default, ``min(max_position_embeddings, 4096)``, when no
     source set it (a fetched model is read only now)."""
-    from neuron_lmi.config import apply_model_defaults
-    from neuron_lmi.config.hf_config import max_position_embeddings
-
     return apply_model_defaults(resolved, max_position_embeddings(read_config_json(path)))
 
 
@@ -62,8 +60,6 @@ def cache_for(compiled_graph_path: str | None, cache_dir: str | Path | None = No
 
     A root that cannot be written (SageMaker's read-only ``/opt/ml/model/compiled``) is read in place
     as a seed, and misses, damaged entries and locks go to a writable store (``open_store``)."""
-    from compile_cache import CompileCache, open_store
-
     remote = compiled_graph_path if compiled_graph_path and compiled_graph_path.startswith("s3://") else None
     if cache_dir is not None:
         return CompileCache(cache_dir, remote=remote)
@@ -90,9 +86,6 @@ def rolling_batch_engine(
 ) -> AsyncEngine:
     """Our rolling-batch engine (scheduler, host sampler, stop checks) around ``runner``."""
     from transformers import AutoTokenizer
-
-    from neuron_lmi.engine.async_engine import AsyncEngine
-    from neuron_lmi.engine.core import EngineCore
 
     cfg = resolved.config
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)

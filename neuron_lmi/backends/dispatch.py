@@ -50,6 +50,7 @@ from neuron_lmi.backends.host import (
     visible_gpu_count,
     visible_neuron_cores,
 )
+from neuron_lmi.backends.nxdi.support import UnsupportedReleaseError, check_release
 from neuron_lmi.config.options import BACKEND_REQUESTS, ROLLING_BATCH_REQUESTS
 
 __all__ = [
@@ -148,8 +149,6 @@ def _neuron_choice(
 def _check_nxdi_release(probe: BackendProbe, allow_unsupported_platform: bool) -> None:
     """The SDK matrix; where ``option.allow_unsupported_nxdi_on_inf2_trn1`` lets 0.9+ through on
     inf2/trn1, the plan logs the warning at start-up."""
-    from neuron_lmi.backends.nxdi.support import UnsupportedReleaseError, check_release
-
     try:
         check_release(probe.nxdi_version, probe.neuron_platform, None, allow_unsupported_platform)
     except UnsupportedReleaseError as exc:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from neuron_lmi.backends.nxdi.support import target_platform
+
 log = logging.getLogger(__name__)
 
 
@@ -223,8 +225,6 @@ def probe_host(
     """Look at this host. Neuron libraries are imported only where Neuron devices are present, or
     NxD Inference alone where its CPU mode is asked for (``nxdi_on_cpu``). ``neuron_platform``
     (``option.neuron_platform``) names the chip where NxD's override and the instance type do not."""
-    from neuron_lmi.backends.nxdi.support import target_platform
-
     env = os.environ if env is None else env
     req = (requested or "auto").strip().lower()
     notes: list[str] = []

@@ -54,6 +54,7 @@ from neuron_lmi.server.schemas_lmi import (
     to_sampling,
     top_list,
 )
+from neuron_lmi.server.schemas_openai import ChatRequest, CompletionRequest
 
 router = APIRouter()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -252,8 +253,6 @@ async def generate_stream(request: Request) -> Response:
 
 def _supported_parameters() -> dict[str, Any]:
     """What requests may set, per API, read from the schemas the routes validate with."""
-    from neuron_lmi.server.schemas_openai import ChatRequest, CompletionRequest
-
     refused = {"typical_p", "watermark", "suffix"}  # accepted only at neutral values
     return {
         "lmi_tgi": sorted(set(LmiParameters.model_fields) - refused),

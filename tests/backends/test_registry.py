@@ -138,8 +138,8 @@ def test_build_engine_fails_at_start_up_on_a_neuron_host_without_a_library(
 @pytest.mark.parametrize(
     ("backend", "module", "function"),
     [
-        ("neuron-tnx", "neuron_lmi.backends.tnx.runner", "build_neuron_runner"),
-        ("neuron-nxdi", "neuron_lmi.backends.nxdi.runner", "build_nxdi_runner"),
+        ("neuron-tnx", "neuron_lmi.backends.tnx.build", "build_neuron_runner"),
+        ("neuron-nxdi", "neuron_lmi.backends.nxdi.build", "build_nxdi_runner"),
     ],
 )
 def test_neuron_builders_wrap_the_runner_in_the_rolling_batch_engine(

@@ -21,6 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from compile_cache import open_store
+from neuron_lmi.backends.common import eos_ids_for
+from neuron_lmi.backends.cpu.aot_runner import compiled_runner_for_engine
+from neuron_lmi.backends.cpu.compiled_decode import CompiledDecode, extend_graph_needed, open_frozen_entry
+from neuron_lmi.backends.cpu.compiled_extend import CompiledExtend
+from neuron_lmi.backends.cpu.runner import CpuRunner
 from neuron_lmi.config.dtypes import DTYPES, canonical_dtype
 from neuron_lmi.config.options import (
     DEFAULT_MAX_PREFILL_TOKENS,
@@ -30,16 +36,20 @@ from neuron_lmi.config.options import (
     default_n_positions,
     default_n_positions_source,
 )
+from neuron_lmi.engine.async_engine import AsyncEngine
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.process_engine import DEFAULT_MAX_RESTARTS, ProcessEngine
+from neuron_lmi.models import build_model
+from neuron_lmi.models.loader import load_checkpoint, load_tokenizer, resolve_model_path
 from neuron_lmi.models.native import build_in_background, host_cpu_flags
+from neuron_lmi.models.packed import pack_model
+from neuron_lmi.models.quantize import quantize_model
+from neuron_lmi.parallel.tp_model import apply_tensor_parallel
 
 if TYPE_CHECKING:
     from compile_cache import CompileCache
     from neuron_lmi.backends.cpu.compiled_decode import OpenedPackage
-    from neuron_lmi.backends.cpu.runner import CpuRunner
     from neuron_lmi.config import ResolvedConfig
-    from neuron_lmi.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +160,6 @@ def build_cpu_engine_core(
     options: CpuEngineOptions,
 ) -> tuple[EngineCore, Any]:
     """Load weights and tokenizer, build the model and its runner; returns (core, config)."""
-    from neuron_lmi.backends.common import eos_ids_for
-    from neuron_lmi.backends.cpu.runner import CpuRunner
-    from neuron_lmi.models.loader import load_tokenizer, resolve_model_path
-    from neuron_lmi.models.packed import pack_model
-
     if options.max_rolling_batch_size <= 0:
         raise ValueError(f"max_rolling_batch_size must be positive, got {options.max_rolling_batch_size}")
     options.validate_quantize()
@@ -164,8 +169,6 @@ def build_cpu_engine_core(
     ckpt, model, n_positions = load_cpu_model(options, path)
     tokenizer = load_tokenizer(ckpt)
     if options.compiled or options.compiled_graph_path:
-        from neuron_lmi.backends.cpu.aot_runner import compiled_runner_for_engine
-
         runner = compiled_runner_for_engine(
             model, path, options.max_rolling_batch_size, n_positions, options.dtype_name(),
             context_length_estimate=options.context_length_estimate,
@@ -215,8 +218,6 @@ def cpu_process_engine(options: CpuEngineOptions, model_name: str | None = None)
 
 def cpu_thread_engine(options: CpuEngineOptions) -> AsyncEngine:
     """The CPU engine on a thread of this process, behind the same ``Engine`` protocol."""
-    from neuron_lmi.engine.async_engine import AsyncEngine
-
     core, _config = build_cpu_engine_core(options)
     return AsyncEngine(core, model_name=options.model, max_queue_size=options.max_queue_size)
 
@@ -232,10 +233,6 @@ def load_cpu_model(options: CpuEngineOptions, path: Path) -> tuple[Any, Any, int
     then quantized (tensor parallelism splits dense weights, so it comes first). ``n_positions``
     unset takes LMI's default from the checkpoint (``config.default_n_positions``), the rule
     ``serve`` applies to every backend and model source."""
-    from neuron_lmi.models import build_model
-    from neuron_lmi.models.loader import load_checkpoint
-    from neuron_lmi.models.quantize import quantize_model
-
     build_in_background()  # a new host's kernel build runs beside the load and the graphs' compile
     dtype = options.torch_dtype()
     # int4: a GGUF file's Q4/Q8 codes go into the model as they are (never expanded), unless tensor
@@ -247,8 +244,6 @@ def load_cpu_model(options: CpuEngineOptions, path: Path) -> tuple[Any, Any, int
         raise ValueError(f"n_positions must be at least 2, got {n_positions}")
     model = build_model(ckpt.config, ckpt.state_dict, n_positions=n_positions, dtype=dtype)
     if options.tensor_parallel_degree > 1:
-        from neuron_lmi.parallel.tp_model import apply_tensor_parallel
-
         model = apply_tensor_parallel(
             model,
             options.tensor_parallel_degree,
@@ -268,10 +263,6 @@ def open_compiled_graphs(
     shape has none of stays eager (logged). The extend package only where the step package leaves
     prompt chunks to it (``extend_graph_needed``). Returns the packages opened (``neuron-lmi compile``
     reports them)."""
-    from compile_cache import open_store
-    from neuron_lmi.backends.cpu.compiled_decode import CompiledDecode, extend_graph_needed, open_frozen_entry
-    from neuron_lmi.backends.cpu.compiled_extend import CompiledExtend
-
     shape = (runner.rows.n_rows, runner.n_positions)
     store = store if store is not None else open_store()
     decode = open_frozen_entry(CompiledDecode, runner.model, path, *shape, store, no_compile)

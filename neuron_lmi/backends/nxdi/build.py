@@ -15,13 +15,13 @@ from neuron_lmi.backends.common import (
     rolling_batch_engine,
     with_model_defaults,
 )
+from neuron_lmi.backends.host import NXDI, installed_version
+from neuron_lmi.backends.nxdi.artifacts import is_artifact_dir
+from neuron_lmi.backends.nxdi.runner import build_nxdi_runner
+from neuron_lmi.backends.nxdi.support import target_platform
 
 
 def build_nxdi_engine(request: registry.BuildRequest) -> Any:
-    from neuron_lmi.backends.host import NXDI, installed_version
-    from neuron_lmi.backends.nxdi.artifacts import is_artifact_dir
-    from neuron_lmi.backends.nxdi.runner import build_nxdi_runner
-    from neuron_lmi.backends.nxdi.support import target_platform
 
     path = fetch(request.resolved, request.env)
     resolved = with_model_defaults(request.resolved, path)

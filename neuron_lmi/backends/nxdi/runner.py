@@ -48,8 +48,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from cache_api import RowTable
+from compile_cache import CompileCache
+from neuron_lmi.backends.nxdi.artifacts import is_artifact_dir, load_or_compile, new_application
+from neuron_lmi.backends.nxdi.cpu_mode import supply_cpu_methods
 from neuron_lmi.backends.nxdi.defaults import apply_environment
+from neuron_lmi.backends.nxdi.plan import plan_nxdi
 from neuron_lmi.backends.row_batch import PAD_TOKEN_ID, check_prompts, token_batch
+from neuron_lmi.config.hf_config import read_hf_config
 from neuron_lmi.runners.base import (
     GREEDY_LINE,
     BatchKind,
@@ -282,9 +287,6 @@ def build_nxdi_runner(
     load raises ``RuntimeError`` naming the packages and AWS's pip repository. With
     ``override_neuron_config.on_cpu`` the library's modeling code runs here on the CPU (``to_cpu``).
     """
-    from neuron_lmi.backends.nxdi.plan import plan_nxdi
-    from neuron_lmi.config.hf_config import read_hf_config
-
     model_config = read_hf_config(model_path, "the NxD Inference backend")
     plan = plan_nxdi(config, model_config, model_path, tp_degree, library_version, platform)
     log.info(
@@ -332,9 +334,6 @@ def on_cpu_application(plan: NxdiPlan) -> Any:
     checkpoint for one rank into torch modules instead of compiling or loading NEFFs."""
     import socket
 
-    from neuron_lmi.backends.nxdi.artifacts import new_application
-    from neuron_lmi.backends.nxdi.cpu_mode import supply_cpu_methods
-
     if "MASTER_PORT" not in os.environ and not torch.distributed.is_initialized():
         # to_cpu starts a one-process gloo group on MASTER_PORT, 29500 by default: a second server
         # (or anything else on that port) would make start-up fail with EADDRINUSE.
@@ -356,15 +355,11 @@ def load_application(
 ) -> Any:
     """An artifact directory given by the user loads as it is; otherwise the compile cache entry for
     the plan, compiled into it on a miss. Either way the application is built exactly once."""
-    from neuron_lmi.backends.nxdi.artifacts import is_artifact_dir, load_or_compile, new_application
-
     if compiled_graph_path and is_artifact_dir(Path(compiled_graph_path)):
         log.info("NxD Inference artifacts: %s (given, not cached)", compiled_graph_path)
         app = new_application(plan)
         app.load(str(compiled_graph_path))
         return app
     if cache is None:
-        from compile_cache import CompileCache
-
         cache = CompileCache()
     return load_or_compile(plan, model_config, cache, compiler_version=compiler_version)

@@ -12,10 +12,10 @@ from neuron_lmi.backends.common import (
     rolling_batch_engine,
     with_model_defaults,
 )
+from neuron_lmi.backends.tnx.runner import build_neuron_runner
 
 
 def build_tnx_engine(request: registry.BuildRequest) -> Any:
-    from neuron_lmi.backends.tnx.runner import build_neuron_runner
 
     path = fetch(request.resolved, request.env)
     resolved = with_model_defaults(request.resolved, path)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from cache_api import RowTable
+from compile_cache import CompileCache, architecture_config
 from neuron_lmi.backends.row_batch import check_prompts, token_batch
 from neuron_lmi.backends.tnx.args import (
     MappedNeuronArgs,
@@ -45,6 +46,14 @@ from neuron_lmi.backends.tnx.args import (
     build_neuron_config,
     map_compile_spec,
 )
+from neuron_lmi.backends.tnx.compile import (
+    compile_neuron_entry,
+    load_neuron_model,
+    neuron_key_inputs,
+    plan_neuron_compile,
+)
+from neuron_lmi.config import default_n_positions
+from neuron_lmi.config.hf_config import read_hf_config
 from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities
 
 if TYPE_CHECKING:
@@ -158,8 +167,6 @@ def compile_spec_from_config(
     (``model_config``, read from ``model_path`` when not given; weights are not needed).
     ``tp_degree`` resolves ``tensor_parallel_degree=max`` (the caller counts the visible NeuronCores).
     """
-    from neuron_lmi.config import default_n_positions
-
     parallel, batching, neuron = config.parallel, config.batching, config.neuron
     tp = parallel.tensor_parallel_degree
     if tp == "max":
@@ -197,7 +204,6 @@ def _positive(value: Any) -> int | None:
 
 
 def read_model_config(model_path: str) -> dict[str, Any]:
-    from neuron_lmi.config.hf_config import read_hf_config
 
     return read_hf_config(model_path, "the Neuron backend")
 
@@ -214,17 +220,7 @@ def load_compiled_model(
     ``to_neuron``; on a miss the model compiled into the entry (``from_pretrained`` + ``to_neuron`` +
     ``save``) is the one served, never built a second time. ``compiler_version`` defaults to the
     installed neuronx-cc's (it is part of the cache key)."""
-    from compile_cache import architecture_config
-    from neuron_lmi.backends.tnx.compile import (
-        compile_neuron_entry,
-        load_neuron_model,
-        neuron_key_inputs,
-        plan_neuron_compile,
-    )
-
     if cache is None:
-        from compile_cache import CompileCache
-
         cache = CompileCache()
     architecture = _architecture(model_config)
     mapped = plan_neuron_compile(spec, cache, os.environ if env is None else env)

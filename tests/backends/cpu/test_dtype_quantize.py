@@ -64,14 +64,13 @@ def _cpu_builder_kwargs(monkeypatch: pytest.MonkeyPatch, model: Path, **cli: str
 
     seen: dict[str, Any] = {}
 
-    def record(options: CpuEngineOptions, policy: Any = None) -> Any:
-        seen.update(dataclasses.asdict(options))
+    def record(options: CpuEngineOptions, model_name: str | None = None) -> Any:
+        seen.update(dataclasses.asdict(options), served_as=model_name)
         return argparse.Namespace()
 
     monkeypatch.setattr(cpu_engine, "cpu_process_engine", record)
     resolved = load_config({"model_id": str(model), **cli}, None, env={})
-    engine = build_cpu_engine(registry.BuildRequest(resolved, {}, "cpu", 1))
-    seen["reported_dtype"] = engine.dtype
+    build_cpu_engine(registry.BuildRequest(resolved, {}, "cpu", 1))
     return seen
 
 
@@ -79,7 +78,8 @@ def test_serve_builder_defaults_by_host_and_passes_quantize(
     monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path
 ) -> None:
     default = _cpu_builder_kwargs(monkeypatch, tiny_llama_dir)
-    assert default["dtype"] == default["reported_dtype"] == resolve_cpu_dtype(None)
+    assert default["dtype"] == resolve_cpu_dtype(None)  # what /info reports (ProcessEngine.model_dtype)
+    assert default["served_as"] == str(tiny_llama_dir)  # model_name(resolved): the model id as given
     assert default["quantize"] is None
     told = _cpu_builder_kwargs(monkeypatch, tiny_llama_dir, dtype="fp32", quantize="int4")
     assert told["dtype"] == "fp32" and told["quantize"] == "int4"
