@@ -17,21 +17,20 @@ import contextlib
 import logging
 import queue
 import threading
-import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Container
 from typing import Any
 
 from neuron_lmi.config.options import DEFAULT_MAX_QUEUE_SIZE
-from neuron_lmi.engine.admission import Admission, Capacity, ValidRequest, check_accepting
+from neuron_lmi.engine.admission import Admission, Capacity, ValidRequest
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.detokenizer import TextSink, TokenTexts, text_stream
+from neuron_lmi.engine.front import EngineFront
 from neuron_lmi.engine.request import Request
 from neuron_lmi.engine.step_clock import StepClock
 from neuron_lmi.engine.streams import Mailbox, post, read_stream
 from neuron_lmi.engine.types import (
     EngineStats,
     FinishReason,
-    SamplingParams,
     TokenEvent,
 )
 
@@ -40,8 +39,9 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
 
 
-class AsyncEngine:
-    """Implements ``neuron_lmi.engine.protocol.Engine`` over an ``EngineCore`` on a thread.
+class AsyncEngine(EngineFront):
+    """Implements ``neuron_lmi.engine.protocol.Engine`` over an ``EngineCore`` on a thread (its
+    admission and drain are ``EngineFront``'s).
 
     Invariants: at most ``max_queue_size`` requests beyond the free rows wait for a row (more are
     refused with ``EngineOverloadedError``); a stream that is closed before its last event aborts its
@@ -57,11 +57,9 @@ class AsyncEngine:
         backend_name: str = "cpu",
         model_dtype: str | None = None,
     ) -> None:
+        super().__init__(model_name, backend_name, model_dtype)
         self.core = core
-        self.backend_name = backend_name
-        self.model_dtype = model_dtype
         self._texts = TokenTexts(core.tokenizer)  # each token id's text, decoded once
-        self.model_name = model_name
         self.n_positions = core.runner.n_positions
         self.max_batch_size = core.runner.rows.n_rows
         self.max_queue_size = max_queue_size
@@ -71,13 +69,9 @@ class AsyncEngine:
         self._aborts: queue.Queue[str] = queue.Queue()
         self._outbox: list[tuple[Mailbox, TokenEvent | BaseException]] = []  # engine thread only
         self._wake = threading.Event()
-        self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        self._alive = False
         self._pending = 0  # submitted but not yet picked up by the engine thread
         self._lock = threading.Lock()
-        self.failure: BaseException | None = None
-        self.on_death: list[Any] = []
 
     @property
     def tokenizer(self) -> Any:
@@ -91,12 +85,17 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="neuron-lmi-engine", daemon=True)
         self._thread.start()
 
-    async def stop(self, grace_s: float = 10.0) -> None:
-        """Refuse new work, let running requests finish for ``grace_s``, then abort the rest."""
-        self._stopping.set()
-        deadline = time.monotonic() + grace_s
-        while self._alive and (self.core.has_work() or self._pending) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+    def _in_flight(self) -> Container[str]:
+        return self.core.requests
+
+    def _capacity(self) -> Capacity:
+        waiting = len(self.core.scheduler.waiting) + self._pending
+        return Capacity(waiting, self.core.runner.rows.occupancy().rows_free)
+
+    def _busy(self) -> bool:
+        return self.core.has_work() or bool(self._pending)
+
+    async def _finish_stop(self) -> None:
         for request_id in list(self.core.requests):
             self._aborts.put(request_id)
         self._wake.set()
@@ -153,14 +152,6 @@ class AsyncEngine:
                 break
 
     # -- requests -----------------------------------------------------------------------------
-    def admit(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
-    ) -> ValidRequest:
-        """Check and tokenize (raises ``InvalidRequestError``, ``EngineOverloadedError``,
-        ``EngineDeadError``): the request's one validation."""
-        self._check_accepting()
-        return self.admission.admit(prompt, params, request_id, self.core.requests)
-
     def generate(self, valid: ValidRequest) -> AsyncIterator[TokenEvent]:
         """Submit an admitted request now (so the next ``admit`` counts it against capacity) and
         stream its events; a stream never read still runs to its end."""
@@ -182,11 +173,6 @@ class AsyncEngine:
         self._wake.set()
         return self._stream(request, mailbox)
 
-    def _check_accepting(self) -> None:
-        check_accepting(self._alive, self._stopping.is_set())
-        waiting = len(self.core.scheduler.waiting) + self._pending
-        self.admission.check_capacity(Capacity(waiting, self.core.runner.rows.occupancy().rows_free))
-
     async def _stream(self, request: Request, mailbox: Mailbox) -> AsyncIterator[TokenEvent]:
         def abandon() -> None:
             self._aborts.put(request.request_id)
@@ -198,9 +184,6 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._aborts.put(request_id)
         self._wake.set()
-
-    def prometheus_collectors(self) -> list[Any]:
-        return []
 
     def stats(self) -> EngineStats:
         stats = self.core.stats(alive=self._alive)

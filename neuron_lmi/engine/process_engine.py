@@ -28,22 +28,22 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Container, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from neuron_lmi.config.options import DEFAULT_MAX_QUEUE_SIZE
 from neuron_lmi.engine import engine_process as wire
-from neuron_lmi.engine.admission import Admission, Capacity, ValidRequest, check_accepting
+from neuron_lmi.engine.admission import Admission, Capacity, ValidRequest
 from neuron_lmi.engine.detokenizer import TextStream, TokenTexts, text_decoder, text_stream
+from neuron_lmi.engine.front import EngineFront
 from neuron_lmi.engine.streams import Mailbox, post, read_stream
 from neuron_lmi.engine.types import (
     EngineDeadError,
     EngineStats,
     FinishReason,
     InvalidRequestError,
-    SamplingParams,
     TokenEvent,
 )
 
@@ -65,16 +65,15 @@ class _Live:
     tokens: int = 0
 
 
-class ProcessEngine:
-    """Implements ``neuron_lmi.engine.protocol.Engine`` with the engine core in a spawned process.
+class ProcessEngine(EngineFront):
+    """Implements ``neuron_lmi.engine.protocol.Engine`` with the engine core in a spawned process
+    (its admission and drain are ``EngineFront``'s).
 
     Invariants: the engine process is up from construction (the model is loaded) until ``stop``;
     at most ``max_batch_size + max_queue_size`` requests are in flight (more are refused with
     ``EngineOverloadedError``); a stream closed before its last event aborts its request; every
     request ends with exactly one event carrying ``finish_reason``, even when the engine dies.
     """
-
-    backend_name = "cpu"
 
     def __init__(
         self,
@@ -84,8 +83,7 @@ class ProcessEngine:
         max_restarts: int = DEFAULT_MAX_RESTARTS,
         model_dtype: str | None = None,
     ) -> None:
-        self.model_name = model_name
-        self.model_dtype = model_dtype
+        super().__init__(model_name, "cpu", model_dtype)
         self.max_queue_size = max_queue_size
         self.max_restarts = max_restarts
         self.restarts = 0  # engine processes started after the first
@@ -95,11 +93,7 @@ class ProcessEngine:
         self._sent = 0  # ADD messages sent
         self._received = 0  # ADD messages the engine has taken
         self._snapshot: tuple[Any, ...] = (0, 0, 0, 0, 0, {})
-        self._alive = False
-        self._stopping = False
         self._reader: threading.Thread | None = None
-        self.failure: BaseException | None = None
-        self.on_death: list[Any] = []
         self._proc, self._conn, info = _spawn(factory)
         # Garbage collection or interpreter exit closes the socket; the engine process exits on EOF.
         self._finalizer = weakref.finalize(self, _shut_down, self._proc, self._conn)
@@ -124,13 +118,17 @@ class ProcessEngine:
         self._reader = threading.Thread(target=self._read, name="neuron-lmi-engine-reader", daemon=True)
         self._reader.start()
 
-    async def stop(self, grace_s: float = 10.0) -> None:
-        """Refuse new work, let running requests finish for ``grace_s``, abort the rest, end the
-        engine process."""
-        self._stopping = True
-        deadline = time.monotonic() + grace_s
-        while self._alive and self._live and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+    def _in_flight(self) -> Container[str]:
+        return self._live
+
+    def _capacity(self) -> Capacity:
+        return Capacity.of_in_flight(len(self._live), self.max_batch_size)
+
+    def _busy(self) -> bool:
+        return bool(self._live)
+
+    async def _finish_stop(self) -> None:
+        """Abort what is left, let the aborts reach their streams, end the engine process."""
         for request_id in list(self._live):
             self._send((wire.ABORT, request_id))
         deadline = time.monotonic() + 1.0
@@ -271,14 +269,6 @@ class ProcessEngine:
         post(batch)
 
     # -- requests -----------------------------------------------------------------------------
-    def admit(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
-    ) -> ValidRequest:
-        """Check and tokenize (raises ``InvalidRequestError``, ``EngineOverloadedError``,
-        ``EngineDeadError``): the request's one validation."""
-        self._check_accepting()
-        return self.admission.admit(prompt, params, request_id, self._live)
-
     def generate(self, request: ValidRequest) -> AsyncIterator[TokenEvent]:
         """Submit an admitted request now and stream its events. Submitting here, not on the
         stream's first read, makes it count against capacity at once, so the next ``admit`` sees
@@ -302,13 +292,6 @@ class ProcessEngine:
             None if self._alive or failure is None else EngineDeadError(str(failure), failure.retry_after_s)
         )
 
-    def _check_accepting(self) -> None:
-        error = self._dead_error()
-        if error is not None:  # dead, or restarting: say when to come back
-            raise error
-        check_accepting(self._alive, self._stopping)
-        self.admission.check_capacity(Capacity.of_in_flight(len(self._live), self.max_batch_size))
-
     async def _stream(self, request_id: str, live: _Live) -> AsyncIterator[TokenEvent]:
         # An engine that died since submission ends the stream through read_stream's ``dead``.
         def abandon() -> None:
@@ -323,9 +306,6 @@ class ProcessEngine:
         if live is not None:
             post([(live.mailbox, _abort_event(request_id, live))])
         self._send((wire.ABORT, request_id))
-
-    def prometheus_collectors(self) -> list[Any]:
-        return []
 
     def stats(self) -> EngineStats:
         rows_total, rows_used, positions, waiting, running, extra = self._snapshot
