@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from neuron_lmi.engine.process_engine import DEFAULT_MAX_RESTARTS
+from neuron_lmi.engine.process_front import DEFAULT_MAX_RESTARTS
 from tests.server.conftest import ServerProcess, cli_command, start_server
 
 LONG = {"inputs": "Count forever:", "parameters": {"max_new_tokens": 240, "ignore_eos": True}, "stream": True}

@@ -38,7 +38,7 @@ from neuron_lmi.config.options import (
 )
 from neuron_lmi.engine.async_engine import AsyncEngine
 from neuron_lmi.engine.core import EngineCore
-from neuron_lmi.engine.process_engine import DEFAULT_MAX_RESTARTS, ProcessEngine
+from neuron_lmi.engine.process_front import DEFAULT_MAX_RESTARTS, ProcessEngine
 from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint, load_tokenizer, resolve_model_path
 from neuron_lmi.models.native import build_in_background, host_cpu_flags

@@ -93,7 +93,7 @@ import sys
 from multiprocessing.connection import Connection
 conn = Connection(int(sys.argv[1]))
 sys.path[:] = conn.recv()
-from neuron_lmi.engine.engine_process import engine_main
+from neuron_lmi.engine.process_worker import engine_main
 engine_main(conn, int(sys.argv[2]))
 """
 PARENT_POLL_S = 0.5

@@ -1,6 +1,6 @@
 """``ProcessEngine``: the ``Engine`` protocol in the API process, the ``EngineCore`` in its own.
 
-The engine process (``neuron_lmi.engine.engine_process``) only schedules, runs the model and samples;
+The engine process (``neuron_lmi.engine.process_worker``) only schedules, runs the model and samples;
 this side tokenizes prompts, turns token ids into text (``TextStream``: detokenization and stop
 sequences) and feeds each request's ``Mailbox``. The two exchange plain tuples over a pipe: one
 message per request in, one message per engine step out. A reader thread receives each step's
@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from neuron_lmi.config.options import DEFAULT_MAX_QUEUE_SIZE
-from neuron_lmi.engine import engine_process as wire
+from neuron_lmi.engine import process_worker as wire
 from neuron_lmi.engine.admission import Admission, Capacity, ValidRequest
 from neuron_lmi.engine.detokenizer import TextStream, TokenTexts, text_decoder, text_stream
 from neuron_lmi.engine.front import EngineFront

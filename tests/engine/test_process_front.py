@@ -11,7 +11,7 @@ import pytest
 
 from neuron_lmi.backends.cpu.engine import CpuEngineOptions, cpu_process_engine
 from neuron_lmi.backends.cpu.llm import LLM
-from neuron_lmi.engine.process_engine import RESTART_RETRY_AFTER_S, ProcessEngine
+from neuron_lmi.engine.process_front import RESTART_RETRY_AFTER_S, ProcessEngine
 from neuron_lmi.engine.types import (
     EngineDeadError,
     FinishReason,
