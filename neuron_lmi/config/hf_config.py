@@ -38,6 +38,10 @@ def read_hf_config_file(path: str | Path, who: str) -> dict[str, Any]:
 
 
 def max_position_embeddings(config: dict[str, Any]) -> int | None:
-    """The model's own context limit from its ``config.json``, when it states a positive one."""
+    """The model's own context limit from its ``config.json``, when it states a positive one (a
+    vision-language checkpoint served text-only, Gemma 3's, states it in ``text_config``)."""
     value = config.get("max_position_embeddings")
+    text = config.get("text_config")
+    if value is None and isinstance(text, dict):
+        value = text.get("max_position_embeddings")
     return value if isinstance(value, int) and value > 0 else None

@@ -1,4 +1,6 @@
-"""Llama and Mistral decoder in plain torch, driven by an external static KV cache.
+"""Llama and Mistral decoder in plain torch, driven by an external static KV cache; the base of
+every family served (Qwen2/Qwen3 are ``ModelArgs`` flags on it, Mixtral, Qwen3-MoE and Gemma 3
+subclass it).
 
 The model holds weights only. Prefill returns every layer's keys and values so the runner can
 insert them into a ``cache_api`` row; decode writes one position per row into the cache tensors it
@@ -10,7 +12,10 @@ one attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import dataclasses
+from collections.abc import Callable
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -19,6 +24,15 @@ from torch import nn
 
 from cache_api import KVCache, write_step
 from neuron_lmi.models.args import ModelArgs
+from neuron_lmi.models.attention import (
+    AttentionGroup,
+    AttentionKind,
+    DecodeInputs,
+    ExtendInputs,
+    causal_mask,
+    contiguous_rows,
+    grouped_decode_attention,
+)
 from neuron_lmi.models.quant import linear
 from neuron_lmi.models.rope import Rotary, apply_rotary
 
@@ -30,57 +44,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(x / cap)``: scores or logits squashed into (-cap, cap); ``x`` when no cap."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+# A config's ``hidden_act`` -> the gate activation of its gated MLP.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
+
+
 def param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
     """A zero-filled frozen weight, filled later by ``weights.load_hf_weights``."""
     return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeInputs:
-    """What every layer of one decode step shares: rows, their positions, rotary tables and masks."""
-
-    rows: torch.Tensor  # [B] KV-cache rows
-    positions: torch.Tensor  # [B] position written this step
-    cos: torch.Tensor
-    sin: torch.Tensor
-    mask: torch.Tensor  # [B, 1, 1, attn_len] bool
-    attn_len: int
-    scale: float
-    row_slice: slice | None  # ``rows`` as a slice when they are an ascending run
-    groups: tuple[AttentionGroup, ...] = ()  # attention per length bucket (empty: one over attn_len)
-
-
-@dataclass(frozen=True, slots=True)
-class AttentionGroup:
-    """Decode rows that attend over the same shorter length: one long row does not make every
-    other row read ``attn_len`` positions (``DecoderLayer`` uses these; other layers may ignore them
-    and attend over ``DecodeInputs.attn_len``, which covers every row)."""
-
-    index: torch.Tensor  # [b] positions of these rows in the batch
-    rows: torch.Tensor | slice
-    mask: torch.Tensor  # [b, 1, 1, attn_len] bool
-    attn_len: int
-
-
-@dataclass(frozen=True, slots=True)
-class ExtendInputs:
-    """What every layer of one extend step shares: each row gets a chunk of up to T tokens.
-
-    ``valid`` marks the real tokens of the right-padded chunks; their K/V are written at
-    ``write_rows``/``write_positions`` (in ``valid``'s row-major order). Padding queries repeat a
-    row's last real position, so they stay in range and are simply dropped.
-    """
-
-    rows: torch.Tensor  # [n] KV-cache rows
-    valid: torch.Tensor  # [n, T] bool
-    write_rows: torch.Tensor  # [N real tokens]
-    write_positions: torch.Tensor  # [N real tokens]
-    cos: torch.Tensor
-    sin: torch.Tensor
-    mask: torch.Tensor  # [n, 1, T, attn_len] bool: causal over prefix + chunk, sliding window
-    attn_len: int
-    scale: float
-    row_slice: slice | None
 
 
 class DecoderLayer(nn.Module):
@@ -94,18 +72,27 @@ class DecoderLayer(nn.Module):
 
     # The [out, in] matmul weights (a 3-D one is one matrix per expert); biases and norms stay dense.
     linear_weights: ClassVar[tuple[str, ...]] = ("wqkv", "wo", "w_gate_up", "w_down")
+    # Norm parameter -> its Hugging Face name in a layer (``weights.load_hf_weights``).
+    norm_names: ClassVar[dict[str, str]] = {
+        "input_norm": "input_layernorm",
+        "post_norm": "post_attention_layernorm",
+    }
 
     def __init__(self, args: ModelArgs, n_heads: int, n_kv_heads: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, args.head_dim
         self.eps = args.rms_norm_eps
+        self.hidden_act = args.hidden_act
         qkv_out = (n_heads + 2 * n_kv_heads) * args.head_dim
-        self.input_norm = param((args.hidden_size,), dtype)
-        self.post_norm = param((args.hidden_size,), dtype)
+        for name in self.norm_names:
+            setattr(self, name, param((args.hidden_size,), dtype))
         self.wqkv = param((qkv_out, args.hidden_size), dtype)
-        self.bqkv = param((qkv_out,), dtype) if args.attention_bias else None
+        self.bqkv = param((qkv_out,), dtype) if args.attention_bias or args.qkv_bias else None
         self.wo = param((args.hidden_size, n_heads * args.head_dim), dtype)
         self.bo = param((args.hidden_size,), dtype) if args.attention_bias else None
+        # Qwen3/Gemma 3: each head's q and k normalised over head_dim before rotary.
+        self.q_norm = param((args.head_dim,), dtype) if args.qk_norm else None
+        self.k_norm = param((args.head_dim,), dtype) if args.qk_norm else None
         self.init_mlp(args, dtype)
 
     def init_mlp(self, args: ModelArgs, dtype: torch.dtype) -> None:
@@ -115,12 +102,19 @@ class DecoderLayer(nn.Module):
         self.w_down = param((args.hidden_size, args.intermediate_size), dtype)
         self.b_down = param((args.hidden_size,), dtype) if args.mlp_bias else None
 
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """This layer's RMSNorm (Gemma's scales by ``1 + weight``)."""
+        return rms_norm(x, weight, self.eps)
+
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[B, T, hidden] -> q [B, H, T, D], k and v [B, KVH, T, D]."""
+        """[B, T, hidden] -> q [B, H, T, D], k and v [B, KVH, T, D] (q/k normed where the model
+        has q/k norms; rotary is the caller's)."""
         b, t, _ = x.shape
-        h = rms_norm(x, self.input_norm, self.eps)
+        h = self.norm(x, self.input_norm)
         qkv = linear(h, self.wqkv, self.bqkv).view(b, t, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def attn_out(self, attn: torch.Tensor) -> torch.Tensor:
@@ -129,9 +123,9 @@ class DecoderLayer(nn.Module):
         return linear(attn.transpose(1, 2).reshape(b, t, -1), self.wo, self.bo)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(x, self.post_norm, self.eps)
+        h = self.norm(x, self.post_norm)
         gate, up = linear(h, self.w_gate_up, self.b_gate_up).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.w_down, self.b_down)
+        return linear(ACTIVATIONS[self.hidden_act](gate) * up, self.w_down, self.b_down)
 
     def prefill_step(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, scale: float
@@ -181,24 +175,12 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(x)
 
 
-def grouped_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """One query per row against a cache slice, without expanding KV heads.
-
-    q: [B, H, 1, D]; k, v: [B, KVH, L, D] (views into the cache: strided, never copied);
-    mask: [B, 1, 1, L] bool (True = attend). torch's fused CPU kernel reads the strided slices in
-    place; the matmul/softmax form copied K and V every layer, and was 2-6x slower in bf16 and at
-    batch 1 (SmolLM2's shapes on AVX-512), about even in fp32 at batch 32.
-    """
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-
-
 class LlamaForCausalLM(nn.Module):
     """Llama/Mistral weights plus ``prefill`` and ``decode`` over an external KV cache.
 
     Invariant: the model never owns cache state; given the same cache contents and inputs it
-    returns the same logits whatever other rows hold.
+    returns the same logits whatever other rows hold. Layer ``i`` attends with
+    ``attention_kinds[layer_kind[i]]``.
     """
 
     layer_cls: ClassVar[type[DecoderLayer]] = DecoderLayer  # Mixtral swaps in its MoE layer
@@ -209,9 +191,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed = nn.Parameter(
             torch.zeros(args.vocab_size, args.hidden_size, dtype=dtype), requires_grad=False
         )
-        self.layers = nn.ModuleList(
-            self.layer_cls(args, args.n_heads, args.n_kv_heads, dtype) for _ in range(args.n_layers)
-        )
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(args.n_layers))
         self.norm = nn.Parameter(torch.zeros(args.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = (
             self.embed
@@ -221,15 +201,54 @@ class LlamaForCausalLM(nn.Module):
             )
         )
         self.rotary = Rotary(args.rope, args.head_dim, args.max_position_embeddings, n_positions)
-        self.scale = args.head_dim**-0.5
+        self.attention_kinds, self.layer_kind = self._attention_kinds()
+        self.scale = args.attn_scale or args.head_dim**-0.5
+
+    def make_layer(self, index: int) -> DecoderLayer:
+        """Layer ``index`` (Qwen3-MoE mixes dense and expert layers)."""
+        a = self.args
+        return self.layer_cls(a, a.n_heads, a.n_kv_heads, self.dtype)
+
+    def _attention_kinds(self) -> tuple[tuple[AttentionKind, ...], tuple[int, ...]]:
+        a = self.args
+        local = self.rotary
+        if a.local_rope is not None:
+            local = Rotary(a.local_rope, a.head_dim, a.max_position_embeddings, self.n_positions)
+        kinds: list[AttentionKind] = []
+        layer_kind = []
+        for i in range(a.n_layers):
+            window = a.window(i)
+            kind = AttentionKind(window, self.rotary if window is None else local)
+            if kind not in kinds:
+                kinds.append(kind)
+            layer_kind.append(kinds.index(kind))
+        return tuple(kinds), tuple(layer_kind)
+
+    def without_window(self) -> LlamaForCausalLM:
+        """The same weights attending over every earlier position in every layer (what an engine
+        that ignores the config's sliding window computes: NxD Inference's Mixtral)."""
+        plain = copy.copy(self)
+        plain.args = dataclasses.replace(self.args, sliding_window=None, layer_windows=())
+        plain.attention_kinds, plain.layer_kind = plain._attention_kinds()
+        return plain
 
     def make_cache(self, n_rows: int, n_positions: int) -> KVCache:
         """The KV cache this model decodes against (a tensor-parallel model returns one per rank)."""
         a = self.args
         return KVCache(a.n_layers, n_rows, a.n_kv_heads, n_positions, a.head_dim, dtype=self.dtype)
 
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings, scaled where the family scales them (Gemma, in the model's dtype)."""
+        x = F.embedding(tokens, self.embed)
+        if self.args.embed_scale is not None:
+            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
+        return x
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden, self.norm, self.args.rms_norm_eps)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(rms_norm(hidden, self.norm, self.args.rms_norm_eps), self.lm_head).float()
+        return soft_cap(linear(self.final_norm(hidden), self.lm_head).float(), self.args.final_softcap)
 
     @property
     def supports_extend(self) -> bool:
@@ -240,11 +259,9 @@ class LlamaForCausalLM(nn.Module):
         return layers_extend and self.rotary.spec.kind != "dynamic"
 
     def window_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """Causal (and sliding-window) visibility, True where query at q_pos may see key at k_pos."""
-        mask = k_pos <= q_pos
-        if self.args.sliding_window is not None:
-            mask &= k_pos > q_pos - self.args.sliding_window
-        return mask
+        """Causal (and sliding-window) visibility, True where query at q_pos may see key at k_pos;
+        for a model whose layers share one window (the compiled graphs' only kind)."""
+        return causal_mask(q_pos, k_pos, self.args.sliding_window)
 
     @torch.inference_mode()
     def prefill(
@@ -257,10 +274,15 @@ class LlamaForCausalLM(nn.Module):
         """
         n, t = tokens.shape
         positions = torch.arange(t)
-        cos, sin = self.rotary.lookup(positions.expand(n, t), seq_lens=lengths)
-        mask = self.window_mask(positions[:, None], positions[None, :])
+        inputs = [
+            (
+                *kind.rotary.lookup(positions.expand(n, t), seq_lens=lengths),
+                causal_mask(positions[:, None], positions[None, :], kind.window),
+            )
+            for kind in self.attention_kinds
+        ]
         last = (torch.arange(n), torch.tensor(lengths) - 1)
-        return self._encode(tokens, cos, sin, mask, last)
+        return self._encode(tokens, inputs, last)
 
     @torch.inference_mode()
     def prefill_at(
@@ -271,9 +293,14 @@ class LlamaForCausalLM(nn.Module):
         index: a compiled graph's right-padded context encoding, whose padding carries made-up
         positions (NxD Inference's contract model reproduces what such padding writes)."""
         index = torch.arange(tokens.shape[1])
-        cos, sin = self.rotary.lookup(positions[None, :])
-        mask = self.window_mask(index[:, None], index[None, :])
-        return self._encode(tokens, cos, sin, mask, (torch.tensor([0]), torch.tensor([last])))
+        inputs = [
+            (
+                *kind.rotary.lookup(positions[None, :]),
+                causal_mask(index[:, None], index[None, :], kind.window),
+            )
+            for kind in self.attention_kinds
+        ]
+        return self._encode(tokens, inputs, (torch.tensor([0]), torch.tensor([last])))
 
     @torch.inference_mode()
     def prefill_packed(
@@ -289,22 +316,24 @@ class LlamaForCausalLM(nn.Module):
         ``last`` = (row indices, column indices) of each prompt's final token; logits come back in
         that order. Not for ``dynamic`` rope, whose tables depend on each sequence's length.
         """
-        cos, sin = self.rotary.lookup(positions)
         same = segments[:, :, None] == segments[:, None, :]
-        mask = (self.window_mask(positions[:, :, None], positions[:, None, :]) & same).unsqueeze(1)
-        return self._encode(tokens, cos, sin, mask, last)
+        inputs = []
+        for kind in self.attention_kinds:
+            visible = causal_mask(positions[:, :, None], positions[:, None, :], kind.window)
+            inputs.append((*kind.rotary.lookup(positions), (visible & same).unsqueeze(1)))
+        return self._encode(tokens, inputs, last)
 
     def _encode(
         self,
         tokens: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor,
+        inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         last: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = F.embedding(tokens, self.embed)
+        """``inputs``: (cos, sin, mask) per attention kind."""
+        x = self.embed_tokens(tokens)
         keys, values = [], []
-        for layer in self.layers:
+        for layer, kind in zip(self.layers, self.layer_kind, strict=True):
+            cos, sin, mask = inputs[kind]
             x, k, v = layer.prefill_step(x, cos, sin, mask, self.scale)
             keys.append(k)
             values.append(v)
@@ -329,23 +358,38 @@ class LlamaForCausalLM(nn.Module):
         group of rows sharing a length reads only that many.
         """
         b = tokens.shape[0]
-        cos, sin = self.rotary.lookup(positions[:, None], seq_lens=(positions + 1).tolist())
-        mask = self.window_mask(positions[:, None], torch.arange(attn_len)[None, :]).view(b, 1, 1, attn_len)
-        row_slice = _contiguous(rows)
+        row_slice = contiguous_rows(rows)
         one_slice = row_slice is not None
-        groups = self._attention_groups(rows, positions, attn_lens, one_slice) if attn_lens else ()
-        step = DecodeInputs(rows, positions, cos, sin, mask, attn_len, self.scale, row_slice, groups)
-        x = F.embedding(tokens[:, None], self.embed)
+        steps = []
+        for kind in self.attention_kinds:
+            cos, sin = kind.rotary.lookup(positions[:, None], seq_lens=(positions + 1).tolist())
+            mask = causal_mask(positions[:, None], torch.arange(attn_len)[None, :], kind.window)
+            groups = (
+                self._attention_groups(rows, positions, attn_lens, one_slice, kind.window)
+                if attn_lens
+                else ()
+            )
+            mask = mask.view(b, 1, 1, attn_len)
+            steps.append(
+                DecodeInputs(rows, positions, cos, sin, mask, attn_len, self.scale, row_slice, groups)
+            )
+        x = self.embed_tokens(tokens[:, None])
         for i, layer in enumerate(self.layers):
-            x = layer.decode_step(x, k_cache[i], v_cache[i], step)
+            x = layer.decode_step(x, k_cache[i], v_cache[i], steps[self.layer_kind[i]])
         return self.logits(x[:, 0])
 
     def _attention_groups(
-        self, rows: torch.Tensor, positions: torch.Tensor, attn_lens: list[int], one_slice: bool
+        self,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        attn_lens: list[int],
+        one_slice: bool,
+        window: int | None = None,
     ) -> tuple[AttentionGroup, ...]:
         """Rows grouped by length bucket, or none (one attention over ``max(attn_lens)``). When the
         rows are one slice of the cache, that one attention reads it in place, while groups gather
-        (copy) their rows; so groups are used there only where they read under half as much."""
+        (copy) their rows; so groups are used there only where they read under half as much.
+        ``window``: the sliding window of the layers these groups serve (None: full attention)."""
         if len(set(attn_lens)) < 2:
             return ()
         if one_slice and 2 * sum(attn_lens) >= len(attn_lens) * max(attn_lens):
@@ -355,9 +399,9 @@ class LlamaForCausalLM(nn.Module):
         for length in sorted(set(attn_lens)):
             index = (lens == length).nonzero()[:, 0]
             pos = positions[index]
-            mask = self.window_mask(pos[:, None], torch.arange(length)[None, :]).view(-1, 1, 1, length)
+            mask = causal_mask(pos[:, None], torch.arange(length)[None, :], window).view(-1, 1, 1, length)
             g_rows = rows[index]
-            groups.append(AttentionGroup(index, _contiguous(g_rows) or g_rows, mask, length))
+            groups.append(AttentionGroup(index, contiguous_rows(g_rows) or g_rows, mask, length))
         return tuple(groups)
 
     @torch.inference_mode()
@@ -382,21 +426,14 @@ class LlamaForCausalLM(nn.Module):
         ends = starts + lengths_t
         valid = torch.arange(t)[None, :] < lengths_t[:, None]
         positions = torch.where(valid, starts[:, None] + torch.arange(t)[None, :], (ends - 1)[:, None])
-        cos, sin = self.rotary.lookup(positions, seq_lens=ends.tolist())
-        mask = self.window_mask(positions[:, :, None], torch.arange(attn_len)[None, None, :]).unsqueeze(1)
-        step = ExtendInputs(
-            rows, valid, rows.repeat_interleave(lengths_t), positions[valid], cos, sin, mask,
-            attn_len, self.scale, _contiguous(rows),
-        )  # fmt: skip
-        x = F.embedding(tokens, self.embed)
+        writes = (rows.repeat_interleave(lengths_t), positions[valid])
+        steps = []
+        for kind in self.attention_kinds:
+            cos, sin = kind.rotary.lookup(positions, seq_lens=ends.tolist())
+            mask = causal_mask(positions[:, :, None], torch.arange(attn_len)[None, None, :], kind.window)
+            common = (cos, sin, mask.unsqueeze(1), attn_len, self.scale, contiguous_rows(rows))
+            steps.append(ExtendInputs(rows, valid, *writes, *common))
+        x = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer.extend_step(x, k_cache[i], v_cache[i], step)
+            x = layer.extend_step(x, k_cache[i], v_cache[i], steps[self.layer_kind[i]])
         return self.logits(x[torch.arange(n), lengths_t - 1])
-
-
-def _contiguous(rows: torch.Tensor) -> slice | None:
-    """A slice when ``rows`` is an ascending run (the common case: rows are handed out lowest first)."""
-    first, n = int(rows[0]), rows.shape[0]
-    if int(rows[-1]) - first + 1 == n and bool((rows[1:] > rows[:-1]).all()):
-        return slice(first, first + n)
-    return None

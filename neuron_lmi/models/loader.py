@@ -1,9 +1,12 @@
-"""Load a Llama/Mistral/Mixtral checkpoint (Hugging Face directory or GGUF file) into HF-named tensors.
+"""Load a checkpoint of a supported family (Hugging Face directory or GGUF file) into HF-named tensors.
 
-Invariants of every :class:`LoadedCheckpoint` this module returns:
+Families: Llama, Mistral, Mixtral (also as GGUF), Qwen2, Qwen3, Qwen3-MoE and Gemma 3 (a
+``Gemma3ForConditionalGeneration`` checkpoint as its language model: its ``text_config`` and its
+``language_model`` tensors; the vision tower is skipped). Invariants of every
+:class:`LoadedCheckpoint` this module returns:
 
-* ``config`` is a ``LlamaConfig``, ``MistralConfig`` or ``MixtralConfig`` with ``architectures``
-  set to one entry of :data:`ARCHITECTURES`;
+* ``config`` is the family's transformers config class (a Gemma 3 vision-language checkpoint's
+  ``Gemma3TextConfig``) with ``architectures`` set to the architecture of :data:`ARCHITECTURES`;
 * ``state_dict`` holds exactly the names of :func:`expected_parameter_names` with the shapes of
   :func:`expected_shapes`; ``lm_head.weight`` is absent exactly when ``config.tie_word_embeddings``
   (the model reuses ``model.embed_tokens.weight``);
@@ -26,13 +29,14 @@ import torch
 import transformers
 
 from neuron_lmi.config.hf_config import read_hf_config_file
+from neuron_lmi.models.args import model_args_from_config
 from neuron_lmi.models.builtin import BUILTIN_MODELS, resolve_builtin
 from neuron_lmi.models.gguf_loader import read_gguf
 from neuron_lmi.models.quant import QuantizedTensor
 
 
-def dense_mlp_shapes(config: transformers.PretrainedConfig) -> dict[str, tuple[int, ...]]:
-    """One layer's SwiGLU MLP tensors (Llama/Mistral names) and their shapes."""
+def dense_mlp_shapes(config: transformers.PretrainedConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
+    """One layer's gated MLP tensors (Llama/Mistral names) and their shapes."""
     hidden, inter = config.hidden_size, config.intermediate_size
     return {
         "mlp.gate_proj.weight": (inter, hidden),
@@ -41,7 +45,7 @@ def dense_mlp_shapes(config: transformers.PretrainedConfig) -> dict[str, tuple[i
     }
 
 
-def moe_mlp_shapes(config: transformers.PretrainedConfig) -> dict[str, tuple[int, ...]]:
+def moe_mlp_shapes(config: transformers.PretrainedConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
     """One layer's Mixtral sparse-MoE tensors: the router and ``w1``/``w3``/``w2`` of every expert."""
     hidden, inter, n_experts = config.hidden_size, config.intermediate_size, config.num_local_experts
     shapes = {"block_sparse_moe.gate.weight": (n_experts, hidden)}
@@ -52,21 +56,87 @@ def moe_mlp_shapes(config: transformers.PretrainedConfig) -> dict[str, tuple[int
     return shapes
 
 
+def qwen3_moe_mlp_shapes(config: transformers.PretrainedConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
+    """Layer ``layer``'s Qwen3-MoE MLP: a dense one where ``mlp_only_layers``/``decoder_sparse_step``
+    keep it, else the router ``mlp.gate`` and every expert's ``gate_proj``/``up_proj``/``down_proj``."""
+    moe = model_args_from_config(config).moe
+    if moe is None or layer in moe.dense_layers:
+        return dense_mlp_shapes(config, layer)
+    hidden, inter = config.hidden_size, config.moe_intermediate_size
+    shapes = {"mlp.gate.weight": (moe.n_experts, hidden)}
+    for e in range(moe.n_experts):
+        expert = f"mlp.experts.{e}."
+        shapes |= {expert + "gate_proj.weight": (inter, hidden), expert + "up_proj.weight": (inter, hidden)}
+        shapes[expert + "down_proj.weight"] = (hidden, inter)
+    return shapes
+
+
+# The parts of a vision-language checkpoint a text-only engine leaves out, in both layouts.
+VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def gemma3_text_name(name: str) -> str | None:
+    """A Gemma 3 vision-language checkpoint's tensor name as its language model's (``model.*``,
+    ``lm_head.*``), or None for the vision tower and projector, which a text-only engine skips.
+    Both layouts occur: ``language_model.model.*`` (as released) and ``model.language_model.*``."""
+    for old, new in (
+        ("language_model.model.", "model."),
+        ("model.language_model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    ):
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return None if name.startswith(VISION_PREFIXES) else name
+
+
 @dataclass(frozen=True)
 class Architecture:
     """A supported model family: its transformers config class, ``architectures`` entry and the
-    per-layer MLP tensors it stores (attention and norm tensors are common to every family)."""
+    per-layer tensors beyond the common q/k/v/o projections: the MLP's (by layer), the norms', the
+    q/k/v biases and per-head q/k norms. ``text_config``: the checkpoint is a vision-language one
+    whose language model is served (its config under ``text_config``, its tensor names mapped by
+    ``gemma3_text_name``)."""
 
     config_cls: type[transformers.PretrainedConfig]
     architecture: str
-    mlp_shapes: Callable[[transformers.PretrainedConfig], dict[str, tuple[int, ...]]] = dense_mlp_shapes
+    mlp_shapes: Callable[[transformers.PretrainedConfig, int], dict[str, tuple[int, ...]]] = dense_mlp_shapes
+    norm_names: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    text_config: bool = False
 
 
+GEMMA3_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
 # transformers model_type -> family. Add a family here, never as a branch in the loading code.
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(transformers.LlamaConfig, "LlamaForCausalLM"),
     "mistral": Architecture(transformers.MistralConfig, "MistralForCausalLM"),
     "mixtral": Architecture(transformers.MixtralConfig, "MixtralForCausalLM", moe_mlp_shapes),
+    "qwen2": Architecture(transformers.Qwen2Config, "Qwen2ForCausalLM", qkv_bias=True),
+    "qwen3": Architecture(transformers.Qwen3Config, "Qwen3ForCausalLM", qk_norm=True),
+    "qwen3_moe": Architecture(
+        transformers.Qwen3MoeConfig, "Qwen3MoeForCausalLM", qwen3_moe_mlp_shapes, qk_norm=True
+    ),
+    "gemma3_text": Architecture(
+        transformers.Gemma3TextConfig, "Gemma3ForCausalLM", norm_names=GEMMA3_NORMS, qk_norm=True
+    ),
+    "gemma3": Architecture(
+        transformers.Gemma3TextConfig,
+        "Gemma3ForConditionalGeneration",
+        norm_names=GEMMA3_NORMS,
+        qk_norm=True,
+        text_config=True,
+    ),
 }
 
 CONFIG_FILE = "config.json"
@@ -167,17 +237,25 @@ def expected_shapes(config: transformers.PretrainedConfig) -> dict[str, tuple[in
     }
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, hidden)
+    arch = ARCHITECTURES[config.model_type]
     per_layer = {
         "self_attn.q_proj.weight": (q_rows, hidden),
         "self_attn.k_proj.weight": (kv_rows, hidden),
         "self_attn.v_proj.weight": (kv_rows, hidden),
         "self_attn.o_proj.weight": (hidden, q_rows),
-        **ARCHITECTURES[config.model_type].mlp_shapes(config),
-        "input_layernorm.weight": (hidden,),
-        "post_attention_layernorm.weight": (hidden,),
+        **{f"{norm}.weight": (hidden,) for norm in arch.norm_names},
     }
+    if arch.qkv_bias or getattr(config, "attention_bias", False):
+        per_layer |= {
+            f"self_attn.{n}_proj.bias": (r,) for n, r in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
+        }
+    if getattr(config, "attention_bias", False):
+        per_layer["self_attn.o_proj.bias"] = (hidden,)
+    if arch.qk_norm:
+        per_layer |= {"self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,)}
     for i in range(config.num_hidden_layers):
-        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in per_layer.items()})
+        layer = {**per_layer, **arch.mlp_shapes(config, i)}
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
     return shapes
 
 
@@ -213,10 +291,13 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool) -> LoadedCh
 
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedCheckpoint:
     config = read_hf_config(path)
+    family = next(a for a in ARCHITECTURES.values() if a.architecture == config.architectures[0])
+    rename = gemma3_text_name if family.text_config else _same_name
     state_dict: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
-        for name, tensor in _read_weights(file).items():
-            if name.endswith(IGNORED_SUFFIXES):
+        for stored, tensor in _read_weights(file).items():
+            name = rename(stored)
+            if name is None or name.endswith(IGNORED_SUFFIXES):
                 continue
             state_dict[name] = tensor.to(dtype).contiguous() if tensor.is_floating_point() else tensor
     if config.tie_word_embeddings:
@@ -243,10 +324,26 @@ def read_hf_config(path: Path) -> transformers.PretrainedConfig:
             f"{config_path}: architectures {architectures!r} not supported for model_type "
             f"{model_type!r} (expected [{arch.architecture!r}])"
         )
+    fields = _text_fields(raw, config_path) if arch.text_config else raw
     try:
-        return arch.config_cls.from_dict({**raw, "architectures": architectures})
+        return arch.config_cls.from_dict({**fields, "architectures": architectures})
     except (TypeError, ValueError, KeyError) as exc:
         raise ValueError(f"{config_path}: invalid {model_type} config: {exc}") from exc
+
+
+def _text_fields(raw: dict[str, Any], config_path: Path) -> dict[str, Any]:
+    """A vision-language config's ``text_config``, with the token ids and head tying the top level
+    states (a released Gemma 3 lists its end-of-turn id there only)."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{config_path}: model_type {raw.get('model_type')!r} needs a text_config object")
+    shared = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
+    top = {name: raw[name] for name in shared if raw.get(name) is not None and name not in text}
+    return {key: value for key, value in {**text, **top}.items() if key != "model_type"}
+
+
+def _same_name(name: str) -> str | None:
+    return name
 
 
 def _weight_files(path: Path) -> list[Path]:

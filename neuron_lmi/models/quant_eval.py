@@ -29,6 +29,14 @@ def all_logits(model: LlamaForCausalLM, ids: Sequence[int]) -> torch.Tensor:
     return logits
 
 
+def greedy(model: LlamaForCausalLM, prompt: Sequence[int], n_new: int) -> list[int]:
+    """``model``'s greedy continuation of ``prompt``, ``n_new`` tokens (no cache: for tiny models)."""
+    ids = list(prompt)
+    for _ in range(n_new):
+        ids.append(int(all_logits(model, ids)[-1].argmax()))
+    return ids[len(prompt) :]
+
+
 def token_agreement(
     reference: LlamaForCausalLM,
     candidate: LlamaForCausalLM,

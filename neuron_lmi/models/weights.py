@@ -15,7 +15,7 @@ from torch import nn
 
 from neuron_lmi.models.args import ModelArgs
 from neuron_lmi.models.llama import DecoderLayer, LlamaForCausalLM
-from neuron_lmi.models.mixtral import MixtralDecoderLayer
+from neuron_lmi.models.mixtral import MixtralDecoderLayer, Qwen3MoeDecoderLayer
 from neuron_lmi.models.quant import QuantizedTensor, cat_rows, replace_weight, to_linear
 
 Tensor = torch.Tensor | QuantizedTensor
@@ -61,8 +61,8 @@ def load_hf_weights(model: LlamaForCausalLM, state_dict: dict[str, Tensor]) -> N
         _put(model, "lm_head", _take(state, "lm_head.weight", (a.vocab_size, a.hidden_size)))
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        layer.input_norm.copy_(_dense(_take(state, p + "input_layernorm.weight", (a.hidden_size,))))
-        layer.post_norm.copy_(_dense(_take(state, p + "post_attention_layernorm.weight", (a.hidden_size,))))
+        for norm, hf_name in layer.norm_names.items():
+            getattr(layer, norm).copy_(_dense(_take(state, f"{p}{hf_name}.weight", (a.hidden_size,))))
         qkv = [
             _take(state, p + "self_attn.q_proj.weight", (q_out, a.hidden_size)),
             _take(state, p + "self_attn.k_proj.weight", (kv_out, a.hidden_size)),
@@ -70,15 +70,30 @@ def load_hf_weights(model: LlamaForCausalLM, state_dict: dict[str, Tensor]) -> N
         ]
         _put(layer, "wqkv", cat_rows(qkv))
         _put(layer, "wo", _take(state, p + "self_attn.o_proj.weight", (a.hidden_size, q_out)))
-        MLP_LOADERS[type(layer)](layer, state, p, a)
-        if a.attention_bias:
-            layer.bqkv.copy_(
-                torch.cat([_take(state, p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
-            )
-            layer.bo.copy_(_take(state, p + "self_attn.o_proj.bias"))
+        _mlp_loader(layer)(layer, state, p, a)
+        _load_attention_extras(layer, state, p, a)
     leftover = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise ValueError(f"checkpoint has tensors this architecture does not use: {sorted(leftover)[:5]}")
+
+
+def _load_attention_extras(layer: DecoderLayer, state: dict[str, Tensor], p: str, a: ModelArgs) -> None:
+    """Biases (Llama's ``attention_bias``: q/k/v/o; Qwen2: q/k/v) and per-head q/k norms."""
+    if layer.bqkv is not None:
+        layer.bqkv.copy_(torch.cat([_take(state, p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")]))
+    if layer.bo is not None:
+        layer.bo.copy_(_take(state, p + "self_attn.o_proj.bias"))
+    if layer.q_norm is not None and layer.k_norm is not None:
+        layer.q_norm.copy_(_dense(_take(state, p + "self_attn.q_norm.weight", (a.head_dim,))))
+        layer.k_norm.copy_(_dense(_take(state, p + "self_attn.k_norm.weight", (a.head_dim,))))
+
+
+def _mlp_loader(layer: DecoderLayer) -> Callable[..., None]:
+    """The MLP loader of ``layer``'s class or its nearest base class that has one."""
+    for cls in type(layer).__mro__:
+        if cls in MLP_LOADERS:
+            return MLP_LOADERS[cls]
+    raise ValueError(f"no weight loader for the MLP of {type(layer).__name__}")
 
 
 def _load_dense_mlp(layer: DecoderLayer, state: dict[str, Tensor], p: str, a: ModelArgs) -> None:
@@ -104,8 +119,21 @@ def _load_moe_mlp(layer: MixtralDecoderLayer, state: dict[str, Tensor], p: str, 
         layer.experts_down[e].copy_(_take(state, x + "w2.weight", (hidden, inter)))
 
 
-# Layer class -> the loader of its MLP weights (attention and norms are common to all).
+def _load_qwen3_moe_mlp(layer: Qwen3MoeDecoderLayer, state: dict[str, Tensor], p: str, a: ModelArgs) -> None:
+    """HF ``mlp.gate`` (router) and ``mlp.experts.{e}.gate_proj/up_proj/down_proj``."""
+    n_experts, inter, hidden = layer.router.shape[0], layer.experts_down.shape[2], a.hidden_size
+    layer.router.copy_(_take(state, p + "mlp.gate.weight", (n_experts, hidden)))
+    for e in range(n_experts):
+        x = f"{p}mlp.experts.{e}."
+        gate = _take(state, x + "gate_proj.weight", (inter, hidden))
+        layer.experts_gate_up[e].copy_(torch.cat([gate, _take(state, x + "up_proj.weight", (inter, hidden))]))
+        layer.experts_down[e].copy_(_take(state, x + "down_proj.weight", (hidden, inter)))
+
+
+# Layer class -> the loader of its MLP weights (attention and norms are common to all); a subclass
+# without an entry takes its base class's.
 MLP_LOADERS: dict[type[DecoderLayer], Callable[..., None]] = {
     DecoderLayer: _load_dense_mlp,
     MixtralDecoderLayer: _load_moe_mlp,
+    Qwen3MoeDecoderLayer: _load_qwen3_moe_mlp,
 }

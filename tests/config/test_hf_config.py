@@ -15,6 +15,8 @@ def test_reads_a_folder_or_a_file(tmp_path: Path) -> None:
     assert max_position_embeddings(read_hf_config(tmp_path, "test")) == 8192
     assert max_position_embeddings({"max_position_embeddings": 0}) is None
     assert max_position_embeddings({}) is None
+    gemma3_vl = {"model_type": "gemma3", "text_config": {"max_position_embeddings": 131072}}
+    assert max_position_embeddings(gemma3_vl) == 131072  # served text-only: the language model's
 
 
 @pytest.mark.parametrize(

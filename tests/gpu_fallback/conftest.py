@@ -84,10 +84,16 @@ class HFGreedyReference:
     async def start(self) -> None:
         return None
 
-    async def generate(self, prompt, params, request_id=None):
-        from types import SimpleNamespace
+    def admit(self, prompt, params, request_id=None):
+        from neuron_lmi.engine.admission import ValidRequest
 
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return ValidRequest(request_id or "reference", ids, params)
+
+    async def generate(self, request):
+        from types import SimpleNamespace
+
+        ids, params = request.prompt_ids, request.params
         with self._torch.no_grad():
             out = self._model.generate(
                 self._torch.tensor([ids]),

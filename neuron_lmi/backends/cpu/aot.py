@@ -23,7 +23,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from importlib import metadata
 from pathlib import Path
 from types import MappingProxyType
@@ -45,6 +45,7 @@ from neuron_lmi.backends.cpu.graphs import (
     decode_attention_form,
 )
 from neuron_lmi.models import host_isa, native
+from neuron_lmi.models.args import ModelArgs, MoeSpec
 from neuron_lmi.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,12 @@ GRAPHS_VERSION = 5
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Fields of ModelArgs that do not change a graph (token ids are the engine's business).
 _NON_GRAPH_FIELDS = ("bos_token_id", "eos_token_ids")
+# ModelArgs and MoeSpec fields added with the Qwen and Gemma families.
+_FAMILY_FIELDS = (
+    "qkv_bias", "qk_norm", "layer_windows", "local_rope", "attn_scale", "embed_scale", "hidden_act",
+    "final_softcap",
+)  # fmt: skip
+_MOE_FAMILY_FIELDS = ("intermediate_size", "normalize", "dense_layers")
 
 Progress = Callable[[str], None]
 
@@ -113,7 +120,19 @@ def architecture_description(model: LlamaForCausalLM) -> dict[str, Any]:
     args = asdict(model.args)
     for name in _NON_GRAPH_FIELDS:
         args.pop(name, None)
+    # Fields added with the Qwen and Gemma families are left out at their defaults, so the keys of
+    # packages compiled before them (Llama, Mistral) still match.
+    _drop_defaults(args, ModelArgs, _FAMILY_FIELDS)
+    if args.get("moe") is not None:
+        _drop_defaults(args["moe"], MoeSpec, _MOE_FAMILY_FIELDS)
     return args
+
+
+def _drop_defaults(values: dict[str, Any], cls: type, names: tuple[str, ...]) -> None:
+    defaults = {f.name: f.default for f in fields(cls)}
+    for name in names:
+        if name in values and values[name] == defaults[name]:
+            del values[name]
 
 
 def cpu_key_inputs(model: LlamaForCausalLM, weights_path: str | Path, plan: CpuPlan) -> CacheKeyInputs:

@@ -40,12 +40,18 @@ from neuron_lmi.models.rope import apply_rotary
 
 
 def check_compilable(model: LlamaForCausalLM) -> None:
-    """Raise ``ValueError`` for models these graphs cannot trace: per-sequence rope tables, or
-    layers other than the plain ``DecoderLayer`` (a tensor-parallel shard)."""
+    """Raise ``ValueError`` for models these graphs cannot trace: per-sequence rope tables, layers
+    other than the plain ``DecoderLayer`` (a tensor-parallel shard, experts, Gemma's), or layers
+    that differ in window or rotary table (the graphs hold one of each)."""
     if not all(type(layer) is DecoderLayer for layer in model.layers):
         raise ValueError(
             "compiled cpu graphs trace the plain DecoderLayer only (tensor_parallel_degree=1, no "
-            "mixture of experts); this model's layers are sharded or MoE"
+            "mixture of experts, no Gemma norms); this model's layers are sharded, MoE or Gemma's"
+        )
+    if len(model.attention_kinds) > 1:
+        raise ValueError(
+            "compiled cpu graphs hold one sliding window and one rotary table; this model's layers "
+            "differ in them (per-layer sliding windows)"
         )
     if model.args.rope.kind == "dynamic":
         raise ValueError(
@@ -61,8 +67,9 @@ class _Graph(nn.Module):
         super().__init__()
         check_compilable(model)
         self.model = model
-        self.register_buffer("rope_cos", model.rotary.cos.contiguous(), persistent=True)
-        self.register_buffer("rope_sin", model.rotary.sin.contiguous(), persistent=True)
+        rotary = model.attention_kinds[0].rotary  # the only kind (check_compilable)
+        self.register_buffer("rope_cos", rotary.cos.contiguous(), persistent=True)
+        self.register_buffer("rope_sin", rotary.sin.contiguous(), persistent=True)
 
 
 class DecodeGraph(_Graph):
@@ -148,7 +155,7 @@ def decode_rows(
     rewrite what their slot holds) and attend over the first ``len(key_pos)`` positions."""
     m = graph.model
     rows = torch.arange(tokens.shape[0])
-    x = F.embedding(tokens[:, None], m.embed)
+    x = m.embed_tokens(tokens[:, None])
     x = token_layers(graph, x, rows, positions, key_pos, active[:, None, None], k_cache, v_cache)
     return m.logits(x[:, 0])
 
@@ -167,7 +174,7 @@ def step_rows(
     over that row up to its own position, so a row's decode token or a prompt chunk's consecutive
     tokens are all one batch of queries; returns the logits of the tokens at ``last``."""
     m = graph.model
-    x = F.embedding(tokens[:, None], m.embed)
+    x = m.embed_tokens(tokens[:, None])
     x = token_layers(graph, x, rows, positions, key_pos, None, k_cache, v_cache, outputs=last)
     return m.logits(x[:, 0])
 
@@ -262,7 +269,7 @@ def extend_rows(
     keep = (offsets[None, :] < lengths[:, None])[:, :, None, None]
     cos, sin = graph.rope_cos[positions], graph.rope_sin[positions]
     mask = m.window_mask(positions[:, :, None], key_pos[None, None, :]).unsqueeze(1)
-    x = F.embedding(tokens, m.embed)
+    x = m.embed_tokens(tokens)
     for i, layer in enumerate(m.layers):
         q, k, v = layer.qkv(x)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -313,7 +320,7 @@ class PrefillGraph(_Graph):
         positions = torch.arange(t)
         cos, sin = self.rope_cos[:t][None], self.rope_sin[:t][None]
         mask = m.window_mask(positions[:, None], positions[None, :])
-        x = F.embedding(tokens, m.embed)
+        x = m.embed_tokens(tokens)
         for i, layer in enumerate(m.layers):
             q, k, v = layer.qkv(x)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -8,8 +8,6 @@ sequences) and Mixtral. Nothing here runs on a Neuron device.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +61,7 @@ def properties(folder: Path, model_dir: Path) -> Path:
 
 def windowless(model: Any) -> Any:
     """The same weights attending to the whole sequence: NxD Inference's Mixtral, which has no window."""
-    plain = copy.copy(model)
-    plain.args = dataclasses.replace(model.args, sliding_window=None)
-    return plain
+    return model.without_window()
 
 
 @pytest.mark.parametrize("sampling", ["on-device", "host"])

@@ -8,8 +8,6 @@ application keeps no sliding window (Mixtral), the reference is the CPU engine w
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -48,8 +46,7 @@ def reference(checkpoint: Path, plan: Any) -> tuple[Any, Any, list[int]]:
     ckpt = load_checkpoint(checkpoint, dtype=torch.float32)
     model = build_model(ckpt.config, ckpt.state_dict, n_positions=N_POSITIONS)
     if plan.sliding_window is None and model.args.sliding_window is not None:
-        model = copy.copy(model)
-        model.args = dataclasses.replace(model.args, sliding_window=None)
+        model = model.without_window()
     tokenizer = load_tokenizer(ckpt)
     return model, tokenizer, eos_ids_for(ckpt.config, tokenizer)
 
