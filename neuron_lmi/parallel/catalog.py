@@ -1,7 +1,9 @@
 """What the planner plans for: model architectures (presets or a ``config.json``) and Neuron instances.
 
 Presets hold the published Hugging Face configurations (``config.json`` of meta-llama/Llama-2-7b-hf,
--13b-hf, -70b-hf, mistralai/Mistral-7B-v0.1 and mistralai/Mixtral-8x7B-v0.1).  Instances, their
+-13b-hf, -70b-hf, mistralai/Mistral-7B-v0.1, mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen2.5-7B-Instruct,
+-72B-Instruct, Qwen/Qwen3-8B, -32B, -30B-A3B, -235B-A22B, google/gemma-3-12b-it and -27b-it, the
+last two's ``text_config``); a MoE preset's ``intermediate_size`` is one expert's.  Instances, their
 memory per NeuronCore and tensor-parallel degrees are REFERENCE §6: inf2/trn1 have 16 GiB of HBM
 per NeuronCore-v2, tp 1, 2, 4, 8, 24 on inf2 and 1, 2, 8, 32 on trn1; trn2.48xlarge has 16
 Trainium2 chips of 96 GiB, exposed at the default LNC=2 as 64 logical NeuronCores of 24 GiB (Neuron
@@ -22,9 +24,21 @@ from neuron_lmi.config.hf_config import read_hf_config_file
 from neuron_lmi.config.options import default_n_positions
 
 GIB = 1024**3
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "gemma3_text",
+    "gemma3",
+)
 # Keys a sparse-MoE config must state (transformers' defaults would silently pick 8 and 2).
-MOE_KEYS: dict[str, tuple[str, ...]] = {"mixtral": ("num_local_experts", "num_experts_per_tok")}
+MOE_KEYS: dict[str, tuple[str, ...]] = {
+    "mixtral": ("num_local_experts", "num_experts_per_tok"),
+    "qwen3_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+}
 
 
 def _positive(name: str, field: str, value: object) -> None:
@@ -127,6 +141,42 @@ PRESETS: dict[str, ModelSpec] = {
         ModelSpec("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
         ModelSpec("mistral-7b", 32, 4096, 32, 8, 14336, 32000, 32768),
         ModelSpec("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 32768, n_experts=8, experts_per_token=2),
+        ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 32768),
+        ModelSpec("qwen2.5-72b", 80, 8192, 64, 8, 29568, 152064, 32768),
+        ModelSpec("qwen3-8b", 36, 4096, 32, 8, 12288, 151936, 40960, head_dim=128),
+        ModelSpec("qwen3-32b", 64, 5120, 64, 8, 25600, 151936, 40960, head_dim=128),
+        ModelSpec(
+            "qwen3-30b-a3b",
+            48,
+            2048,
+            32,
+            4,
+            768,
+            151936,
+            40960,
+            head_dim=128,
+            n_experts=128,
+            experts_per_token=8,
+        ),
+        ModelSpec(
+            "qwen3-235b-a22b",
+            94,
+            4096,
+            64,
+            4,
+            1536,
+            151936,
+            40960,
+            head_dim=128,
+            n_experts=128,
+            experts_per_token=8,
+        ),
+        ModelSpec(
+            "gemma-3-12b", 48, 3840, 16, 8, 15360, 262208, 131072, head_dim=256, tie_word_embeddings=True
+        ),
+        ModelSpec(
+            "gemma-3-27b", 62, 5376, 32, 16, 21504, 262208, 131072, head_dim=128, tie_word_embeddings=True
+        ),
     )
 }
 
@@ -160,8 +210,11 @@ def get_instance(name: str) -> InstanceSpec:
 
 def load_model_spec(ref: str) -> ModelSpec:
     """A preset name, a directory holding ``config.json``, or a ``config.json`` path."""
-    key = ref.strip().lower().removeprefix("meta-llama/").removeprefix("mistralai/")
-    key = key.removesuffix("-hf").removesuffix("-v0.1").replace("llama2", "llama-2")
+    key = ref.strip().lower()
+    for org in ("meta-llama/", "mistralai/", "qwen/", "google/"):
+        key = key.removeprefix(org)
+    key = key.removesuffix("-hf").removesuffix("-v0.1").removesuffix("-instruct").removesuffix("-it")
+    key = key.replace("llama2", "llama-2")
     if key in PRESETS:
         return PRESETS[key]
     path = Path(ref).expanduser()
@@ -176,9 +229,14 @@ def load_model_spec(ref: str) -> ModelSpec:
 
 
 def model_spec_from_config(config: dict[str, Any], name: str = "model") -> ModelSpec:
-    """A ``ModelSpec`` from a Hugging Face Llama/Mistral/Mixtral ``config.json``; ``ValueError`` names
-    what's missing or inconsistent."""
+    """A ``ModelSpec`` from a Hugging Face ``config.json`` of a supported family (a vision-language
+    Gemma 3's ``text_config``: the language model served); ``ValueError`` names what's missing or
+    inconsistent."""
     model_type = config.get("model_type")
+    if model_type == "gemma3" and isinstance(config.get("text_config"), dict):
+        # Gemma ties its head to the embeddings unless a config says otherwise (Gemma3TextConfig's default).
+        tied = config.get("tie_word_embeddings", True)
+        config = {"tie_word_embeddings": tied, **config["text_config"], "model_type": "gemma3"}
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{name}: model_type={model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
@@ -187,21 +245,24 @@ def model_spec_from_config(config: dict[str, Any], name: str = "model") -> Model
         "num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
         *MOE_KEYS.get(model_type, ()),
     )  # fmt: skip
+    if model_type == "qwen3_moe":  # every expert is moe_intermediate_size wide
+        required = tuple(key for key in required if key != "intermediate_size")
     missing = [key for key in required if key not in config]
     if missing:
         raise ValueError(f"{name}: config.json lacks {', '.join(missing)}")
     heads = config["num_attention_heads"]
+    expert_width = "moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"
     return ModelSpec(
         name=name,
         n_layers=config["num_hidden_layers"],
         hidden_size=config["hidden_size"],
         n_heads=heads,
         n_kv_heads=config.get("num_key_value_heads") or heads,
-        intermediate_size=config["intermediate_size"],
+        intermediate_size=config[expert_width],
         vocab_size=config["vocab_size"],
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         head_dim=config.get("head_dim") or 0,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        n_experts=config.get("num_local_experts") or 0,
+        n_experts=config.get("num_local_experts") or config.get("num_experts") or 0,
         experts_per_token=config.get("num_experts_per_tok") or 0,
     )

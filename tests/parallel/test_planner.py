@@ -198,3 +198,43 @@ def test_model_spec_is_frozen():
     with pytest.raises(AttributeError):
         PRESETS["llama-2-7b"].n_layers = 1  # type: ignore[misc]
     assert ModelSpec("x", 1, 64, 4, 2, 128, 10, 128).head_dim == 16
+
+
+def _parameters(spec: ModelSpec) -> float:
+    """Billions of weights from the shape alone (norms and biases left out: under 0.1%)."""
+    attention = spec.hidden_size * spec.head_dim * (2 * spec.n_heads + 2 * spec.n_kv_heads)
+    mlp = spec.mlp_copies * 3 * spec.hidden_size * spec.intermediate_size + spec.hidden_size * spec.n_experts
+    embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    return (spec.n_layers * (attention + mlp) + embeddings) / 1e9
+
+
+@pytest.mark.parametrize(
+    ("preset", "published"),
+    [  # the model cards' totals (Gemma 3: its language model, without the 0.4B vision tower)
+        ("qwen2.5-7b", 7.61), ("qwen2.5-72b", 72.7), ("qwen3-8b", 8.2), ("qwen3-32b", 32.8),
+        ("qwen3-30b-a3b", 30.5), ("qwen3-235b-a22b", 235.0), ("gemma-3-12b", 11.8), ("gemma-3-27b", 27.0),
+    ],
+)  # fmt: skip
+def test_presets_hold_the_published_sizes(preset: str, published: float) -> None:
+    assert _parameters(PRESETS[preset]) == pytest.approx(published, rel=0.01)
+
+
+def test_qwen3_moe_and_gemma3_configs_map_their_own_keys() -> None:
+    """Qwen3-MoE's experts are ``num_experts`` of ``moe_intermediate_size``; a vision-language Gemma 3
+    is planned as its ``text_config`` (the language model served)."""
+    moe = {
+        "model_type": "qwen3_moe", "num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936, "max_position_embeddings": 40960,
+    }  # fmt: skip
+    assert model_spec_from_config(moe, name="qwen3-30b-a3b") == PRESETS["qwen3-30b-a3b"]
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        model_spec_from_config({k: v for k, v in moe.items() if k != "moe_intermediate_size"})
+    text = {
+        "num_hidden_layers": 62, "hidden_size": 5376, "num_attention_heads": 32, "num_key_value_heads": 16,
+        "head_dim": 128, "intermediate_size": 21504, "vocab_size": 262208, "max_position_embeddings": 131072,
+    }  # fmt: skip  (tied: Gemma's default, stated nowhere in the published file)
+    gemma = {"model_type": "gemma3", "text_config": text, "vision_config": {"hidden_size": 1152}}
+    assert model_spec_from_config(gemma, name="gemma-3-27b") == PRESETS["gemma-3-27b"]
+    assert load_model_spec("google/gemma-3-27b-it") is PRESETS["gemma-3-27b"]
+    assert load_model_spec("Qwen/Qwen2.5-7B-Instruct") is PRESETS["qwen2.5-7b"]
