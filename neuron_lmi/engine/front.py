@@ -30,8 +30,6 @@ class EngineFront:
     the rest to ``_finish_stop``.
     """
 
-    backend_name = "cpu"
-
     def __init__(self, model_name: str, backend_name: str, model_dtype: str | None) -> None:
         self.model_name = model_name
         self.backend_name = backend_name

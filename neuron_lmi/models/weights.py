@@ -106,28 +106,36 @@ def _load_dense_mlp(layer: DecoderLayer, state: dict[str, Tensor], p: str, a: Mo
         layer.b_down.copy_(_take(state, p + "mlp.down_proj.bias"))
 
 
+def _load_experts(
+    layer: MixtralDecoderLayer,
+    state: dict[str, Tensor],
+    router: str,
+    experts: str,
+    names: tuple[str, str, str],
+    hidden: int,
+) -> None:
+    """The router ``router`` and each expert ``{experts}{e}.`` with its gate, up and down weights
+    ``names``, into the layer's fused gate/up and down stacks (the layer's shapes are the expected)."""
+    n_experts, inter = layer.router.shape[0], layer.experts_down.shape[2]
+    layer.router.copy_(_take(state, router, (n_experts, hidden)))
+    gate, up, down = names
+    for e in range(n_experts):
+        x = f"{experts}{e}."
+        w_gate = _take(state, f"{x}{gate}.weight", (inter, hidden))
+        layer.experts_gate_up[e].copy_(torch.cat([w_gate, _take(state, f"{x}{up}.weight", (inter, hidden))]))
+        layer.experts_down[e].copy_(_take(state, f"{x}{down}.weight", (hidden, inter)))
+
+
 def _load_moe_mlp(layer: MixtralDecoderLayer, state: dict[str, Tensor], p: str, a: ModelArgs) -> None:
     """HF ``block_sparse_moe.gate`` (router) and ``experts.{e}.w1/w3`` (gate/up), ``w2`` (down)."""
-    inter, hidden = a.intermediate_size, a.hidden_size
-    n_experts = layer.router.shape[0]
     moe = p + "block_sparse_moe."
-    layer.router.copy_(_take(state, moe + "gate.weight", (n_experts, hidden)))
-    for e in range(n_experts):
-        x = f"{moe}experts.{e}."
-        w1 = _take(state, x + "w1.weight", (inter, hidden))
-        layer.experts_gate_up[e].copy_(torch.cat([w1, _take(state, x + "w3.weight", (inter, hidden))]))
-        layer.experts_down[e].copy_(_take(state, x + "w2.weight", (hidden, inter)))
+    _load_experts(layer, state, moe + "gate.weight", moe + "experts.", ("w1", "w3", "w2"), a.hidden_size)
 
 
 def _load_qwen3_moe_mlp(layer: Qwen3MoeDecoderLayer, state: dict[str, Tensor], p: str, a: ModelArgs) -> None:
     """HF ``mlp.gate`` (router) and ``mlp.experts.{e}.gate_proj/up_proj/down_proj``."""
-    n_experts, inter, hidden = layer.router.shape[0], layer.experts_down.shape[2], a.hidden_size
-    layer.router.copy_(_take(state, p + "mlp.gate.weight", (n_experts, hidden)))
-    for e in range(n_experts):
-        x = f"{p}mlp.experts.{e}."
-        gate = _take(state, x + "gate_proj.weight", (inter, hidden))
-        layer.experts_gate_up[e].copy_(torch.cat([gate, _take(state, x + "up_proj.weight", (inter, hidden))]))
-        layer.experts_down[e].copy_(_take(state, x + "down_proj.weight", (hidden, inter)))
+    names = ("gate_proj", "up_proj", "down_proj")
+    _load_experts(layer, state, p + "mlp.gate.weight", p + "mlp.experts.", names, a.hidden_size)
 
 
 # Layer class -> the loader of its MLP weights (attention and norms are common to all); a subclass
