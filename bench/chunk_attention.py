@@ -77,7 +77,7 @@ def runner_paths(dtype: str, reps: int) -> None:
     from neuron_lmi.backends.cpu.llm import LLM
 
     compiled_decode.extend_graph_needed = lambda *_: True  # open the extend package too
-    llm = LLM(model="smollm2", dtype=dtype, compile_graphs=True, max_rolling_batch_size=32, n_positions=2048)
+    llm = LLM(model="smollm2", dtype=dtype, enforce_eager=False, max_rolling_batch_size=32, n_positions=2048)
     runner, rows = llm.core.runner, llm.core.runner.rows
     step = runner.compiled_decode
     generator = torch.Generator().manual_seed(0)

@@ -23,8 +23,10 @@ import statistics
 import sys
 import time
 
+import torch
+
 from bench.prefix_reuse import tiny_model_dir
-from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
+from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.bench.report import percentile
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.scheduler import DEFAULT_STEP_TOKENS, ChunkedPrefill, WholePrompts
@@ -99,15 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     model = tiny_model_dir() if args.model == "tiny" else args.model
-    options = CpuEngineOptions(
-        model=model,
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base = LLM(
+        model,
         dtype=args.dtype,
-        num_threads=args.threads,
+        enforce_eager=not args.compile_graphs,
         max_rolling_batch_size=args.streams + args.burst,
         n_positions=2048,
-        compile_graphs=args.compile_graphs,
-    )
-    base, _ = build_cpu_engine_core(options)
+    ).core
     policies = {"whole prompts": WholePrompts(max_tokens=4096)}  # the engine before chunks
     for step_tokens in (int(n) for n in args.step_tokens.split(",")):
         policies[f"chunked ({step_tokens}/step)"] = ChunkedPrefill(step_tokens)

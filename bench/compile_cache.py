@@ -63,22 +63,27 @@ def _first_token(runner, prompt: list[int]) -> int:
 def phase_start(args: argparse.Namespace) -> dict[str, float | bool | str]:
     """Cold or warm start: weights, cache lookup (or compile), package load, first token."""
     import neuron_lmi.models.loader  # noqa: F401 - imports (torch, transformers) are not part of a start
-    from neuron_lmi.backends.cpu.aot_runner import open_compiled_runner
+    from neuron_lmi.backends.backend import get_or_compile
+    from neuron_lmi.backends.cpu.backend import CPU_BACKEND, bucket_plan
 
     started = time.monotonic()
     model, path, plan, cache, load_s = _setup(args)
     hit_started = time.monotonic()
-    opened = open_compiled_runner(model, path, plan, cache, no_compile=args.phase == "warm")
-    _first_token(opened.runner, list(range(100, 120)))
+    built = bucket_plan(model, path, plan)
+    artifacts = get_or_compile(CPU_BACKEND, built, cache, no_compile=args.phase == "warm")
+    runner = CPU_BACKEND.load(built, artifacts)
+    open_s = time.monotonic() - hit_started
+    _first_token(runner, list(range(100, 120)))
     now = time.monotonic()
+    entry = artifacts.entry("buckets")
     return {
         "seconds": now - started,
         "weights_s": load_s,
-        "open_s": opened.seconds,
+        "open_s": open_s,
         "lookup_to_token_s": now - hit_started,
-        "compiled": opened.compiled,
-        "key": opened.entry.key,
-        "entry_bytes": opened.entry.size,
+        "compiled": bool(artifacts.compiled),
+        "key": entry.key,
+        "entry_bytes": entry.size,
     }
 
 
@@ -97,11 +102,12 @@ def _decode_rate(runner, rows: int, steps: int) -> float:
 
 
 def phase_decode(args: argparse.Namespace) -> dict[str, float]:
-    from neuron_lmi.backends.cpu.aot_runner import open_compiled_runner
+    from neuron_lmi.backends.backend import load_runner
+    from neuron_lmi.backends.cpu.backend import CPU_BACKEND, bucket_plan
     from neuron_lmi.backends.cpu.runner import CpuRunner
 
     model, path, plan, cache, _ = _setup(args)
-    compiled = open_compiled_runner(model, path, plan, cache, no_compile=True).runner
+    compiled = load_runner(CPU_BACKEND, bucket_plan(model, path, plan), cache, no_compile=True)
     eager = CpuRunner(model, args.rows, args.n_positions)
     rates: dict[str, list[float]] = {"eager": [], "compiled": []}
     _decode_rate(eager, args.rows, 4)  # warm-up: first-call costs (thread pools, allocations)

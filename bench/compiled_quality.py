@@ -26,7 +26,7 @@ from neuron_lmi.backends.cpu.llm import LLM
 def build(model: str, dtype: str, compiled: bool, rows: int, n_positions: int) -> LLM:
     """The engine as the server builds it (``llm.core.runner`` is its runner)."""
     options = {"max_rolling_batch_size": rows, "n_positions": n_positions, "dtype": dtype}
-    return LLM(model, compile_graphs=compiled, **options)
+    return LLM(model, enforce_eager=not compiled, **options)
 
 
 def top1_tokens(

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
+from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.request import Request
 from neuron_lmi.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
@@ -110,8 +110,9 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    options = CpuEngineOptions(model=args.model, max_rolling_batch_size=args.rows, n_positions=512)
-    insert_core, _ = build_cpu_engine_core(options)
+    insert_core = LLM(
+        args.model, dtype="fp32", enforce_eager=True, max_rolling_batch_size=args.rows, n_positions=512
+    ).core
     # The baseline shares the loaded model and its cache object; only the scheduler differs.
     recompute_core = EngineCore(insert_core.runner, insert_core.tokenizer, insert_core.eos_token_ids)
     plain = recompute_core.scheduler

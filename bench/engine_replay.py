@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
+from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.bench.workload import TokenCount, Workload
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.step_clock import FULL_BATCH
@@ -120,11 +120,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    options = CpuEngineOptions(
-        model=args.model, dtype=args.dtype, max_rolling_batch_size=args.batch,
-        n_positions=args.n_positions, compile_graphs=True,
-    )  # fmt: skip
-    core, _ = build_cpu_engine_core(options)
+    core = LLM(
+        args.model, dtype=args.dtype, enforce_eager=False, max_rolling_batch_size=args.batch,
+        n_positions=args.n_positions,
+    ).core  # fmt: skip
     prompt, output = TokenCount("fixed", args.prompt_tokens), TokenCount("fixed", args.output_tokens)
     replay(core, Workload(prompt, output, args.seed + WARMUP_SEED_OFFSET), args.concurrency, args.concurrency)
     result = replay(core, Workload(prompt, output, args.seed), args.concurrency, args.requests)

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from compile_cache import default_cache_root
 from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.engine.types import SamplingParams
 
@@ -113,8 +114,12 @@ def main() -> int:
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    extra = {"compiled": True, "context_length_estimate": (128,)} if args.compiled else {}
-    llm = LLM(args.model, dtype=args.dtype, max_rolling_batch_size=max(batch_sizes), n_positions=512, **extra)
+    # --compiled: the AOT bucket runner on the default compile cache (option.compiled_graph_path).
+    extra = {"compiled_graph_path": str(default_cache_root()), "context_length_estimate": (128,)}
+    graphs = extra if args.compiled else {"enforce_eager": True}
+    llm = LLM(
+        args.model, dtype=args.dtype, max_rolling_batch_size=max(batch_sizes), n_positions=512, **graphs
+    )
     path = resolve_model_path(args.model)
     if path.suffix == ".gguf":
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)

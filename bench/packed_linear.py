@@ -45,7 +45,7 @@ Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def fp32_engine(model: str, rows: int, n_positions: int, compiled: bool = False) -> LLM:
     """The fp32 engine as the server builds it (``llm.core.runner`` is its runner)."""
     options = {"max_rolling_batch_size": rows, "n_positions": n_positions, "dtype": "fp32"}
-    return LLM(model, compile_graphs=compiled, **options)
+    return LLM(model, enforce_eager=not compiled, **options)
 
 
 def median_ms(run: Callable[[], object], repeat: int) -> float:

@@ -23,7 +23,9 @@ import sys
 import tempfile
 import time
 
-from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
+import torch
+
+from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.types import SamplingParams, TokenEvent
 
@@ -85,14 +87,11 @@ def main(argv: list[str] | None = None) -> int:
 
     model = tiny_model_dir() if args.model == "tiny" else args.model
     n_positions = 1 << (args.system_tokens + args.user_tokens + args.new_tokens + 256).bit_length()
-    options = CpuEngineOptions(
-        model=model,
-        dtype=args.dtype,
-        num_threads=args.threads,
-        max_rolling_batch_size=4,
-        n_positions=n_positions,
-    )
-    reuse, _ = build_cpu_engine_core(options)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    reuse = LLM(
+        model, dtype=args.dtype, enforce_eager=True, max_rolling_batch_size=4, n_positions=n_positions
+    ).core
     fresh = EngineCore(reuse.runner, reuse.tokenizer, reuse.eos_token_ids, prefix_reuse=False)
     rng = random.Random(args.seed)
     vocab = reuse.runner.vocab_size

@@ -113,7 +113,7 @@ def build_variants(model: str, variants: list[str], rows: int, compiled: bool) -
         # Quantized variants run with the host's default dtype (their matmuls are bf16 anyway).
         method = name.removesuffix("-eager")  # int8-eager: the same engine without the graphs
         opts = {"dtype": method} if method in ("fp32", "bf16") else {"dtype": "auto", "quantize": method}
-        opts["compile_graphs"] = compiled and name != "fp32" and name == method
+        opts["enforce_eager"] = not (compiled and name != "fp32" and name == method)
         llms[name] = LLM(model, max_rolling_batch_size=rows, n_positions=512, **opts)
     return llms
 

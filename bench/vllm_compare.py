@@ -37,6 +37,14 @@ at 64 concurrent streams (batch 64, ~60-token prompts, 128 new tokens); our roun
 engine's own host time per decode step (``/metrics``):
 
     .venv-vllm/bin/python bench/vllm_compare.py --tiny --out results/serve_tiny.json
+
+``--family qwen3`` (or ``qwen2``) serves a random checkpoint of that family with
+SmolLM2-135M's shape (30 layers, hidden 576, 9 query and 3 KV heads of 64, MLP 1536, tied
+embeddings) instead of SmolLM2; ``ours-cpu-smollm2`` is our CPU engine on SmolLM2 itself, so one
+run gives a family's decode-heavy tok/s beside Llama's (issue 38: within 10%) and beside vLLM's:
+
+    .venv-vllm/bin/python bench/vllm_compare.py --family qwen3 --servers ours-cpu,ours-cpu-smollm2,vllm \
+        --concurrency 32 --requests 64 --rounds 2 --out results/qwen3_shape.json
 """
 
 from __future__ import annotations
@@ -68,6 +76,19 @@ TINY_LLAMA = {
     "intermediate_size": 256,
     "num_hidden_layers": 2,
 }
+# SmolLM2-135M's shape, for --family: a random checkpoint of another family that costs what it costs.
+SMOLLM2_SHAPE = {
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+}
+FAMILIES = ("qwen2", "qwen3")
 # --tiny's load, where not given on the command line.
 TINY_DEFAULTS = {
     "servers": "ours-cpu,vllm",
@@ -181,7 +202,7 @@ def server_command(name: str, args: argparse.Namespace, model_dir: Path, port: i
             args.dtype,
             *common,
         ], "/ping"
-    if name == "ours-cpu":
+    if name in ("ours-cpu", "ours-cpu-smollm2"):
         return [
             args.cpu_python,
             "-m",
@@ -190,7 +211,7 @@ def server_command(name: str, args: argparse.Namespace, model_dir: Path, port: i
             "--backend",
             "cpu",
             "--model",
-            args.cpu_model,
+            args.smollm2_dir if name == "ours-cpu-smollm2" else args.cpu_model,
             "--port",
             str(port),
             "--dtype",
@@ -355,14 +376,16 @@ def load_command(
     ]
 
 
-def build_tiny_model(python: str, out: Path) -> Path:
-    """The tiny Llama, written by ``python`` (the main .venv: it has the GGUF tokenizer converter)."""
+def build_tiny_model(python: str, out: Path, arch: str = "llama", shape: dict | None = None) -> Path:
+    """A random ``arch`` checkpoint (default: the tiny Llama) with SmolLM2's tokenizer, written by
+    ``python`` (the main .venv: it has the GGUF tokenizer converter)."""
     code = (
         "import json, sys\n"
         "from neuron_lmi.testing.checkpoints import make_tiny_checkpoint\n"
-        "make_tiny_checkpoint(sys.argv[1], **json.loads(sys.argv[2]))\n"
+        "make_tiny_checkpoint(sys.argv[1], arch=sys.argv[3], **json.loads(sys.argv[2]))\n"
     )
-    subprocess.run([python, "-c", code, str(out), json.dumps(TINY_LLAMA)], check=True, cwd=ROOT)
+    fields = json.dumps(TINY_LLAMA if shape is None else shape)
+    subprocess.run([python, "-c", code, str(out), fields, arch], check=True, cwd=ROOT)
     return out
 
 
@@ -526,6 +549,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tiny", action="store_true", help="serving overhead: the tiny Llama, 64 streams")
+    parser.add_argument("--family", choices=FAMILIES, help="serve a random checkpoint of SmolLM2's shape")
     parser.add_argument("--load", choices=sorted(LOADS), help="a prefill-heavy load's defaults (see LOADS)")
     parser.add_argument("--servers", help=f"which servers, in order (default {DEFAULTS['servers']})")
     parser.add_argument("--rounds", type=int, default=3, help="measurements per server, order alternating")
@@ -572,13 +596,16 @@ def main() -> int:
         names.remove("llama-cpp")
     servers: dict[str, tuple] = {}
     with tempfile.TemporaryDirectory(prefix="vllm_compare.") as tmp:
+        from gpu_fallback.convert import ensure_safetensors_dir
+        from neuron_lmi.models.builtin import smollm2_gguf_path
+
+        args.smollm2_dir = str(ensure_safetensors_dir(smollm2_gguf_path()))
         if args.tiny:
             model_dir = build_tiny_model(args.cpu_python, Path(tmp) / "tiny-llama")
+        elif args.family:
+            model_dir = build_tiny_model(args.cpu_python, Path(tmp) / args.family, args.family, SMOLLM2_SHAPE)
         else:
-            from gpu_fallback.convert import ensure_safetensors_dir
-            from neuron_lmi.models.builtin import smollm2_gguf_path
-
-            model_dir = ensure_safetensors_dir(smollm2_gguf_path())
+            model_dir = Path(args.smollm2_dir)
         args.cpu_model = args.cpu_model or str(model_dir)
         try:
             for name in names:  # one at a time: start-up compiles, and must not slow the others

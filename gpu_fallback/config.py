@@ -1,12 +1,16 @@
 """Configuration of the vLLM backend and its mapping onto vLLM's engine arguments.
 
-LMI names (``option.tensor_parallel_degree``, ``option.max_rolling_batch_size``, ``option.n_positions``,
-``option.dtype`` and the vLLM-specific ``option.gpu_memory_utilization`` / ``option.enforce_eager`` /
-``option.max_model_len`` / ``option.chat_template``) are read through ``LMI_KEYS``. Every other
-``option.<name>`` / ``OPTION_<NAME>`` that is a field of vLLM's ``AsyncEngineArgs`` passes through, as
-in LMI's vLLM integration, with its value checked against that field's type
-(:func:`vllm_engine_options`). Defaults follow LMI on vLLM: 256 rolling-batch rows, every visible GPU,
-the model's own maximum length. Only :func:`engine_arg_types` imports vLLM.
+The backend reads the resolved configuration (``neuron_lmi.config.ResolvedConfig``) and nothing
+else: the shared fields (``option.tensor_parallel_degree``, ``option.max_rolling_batch_size``,
+``option.n_positions`` or LMI's vLLM spelling ``option.max_model_len``, ``option.dtype``,
+``option.trust_remote_code``, ``job_queue_size``, ``option.max_prefill_tokens``) and vLLM's own
+section (``option.gpu_memory_utilization``, ``option.chat_template``, ``option.seed``,
+``option.served_model_name``) arrive typed. Every other ``option.<name>`` / ``OPTION_<NAME>`` that
+the loader kept in ``ResolvedConfig.vllm_options`` and that is a field of vLLM's
+``AsyncEngineArgs`` passes through, as in LMI's vLLM integration, its value checked against that
+field's type (:func:`vllm_engine_options`). Defaults follow LMI on vLLM: 256 rolling-batch rows,
+every visible GPU, the model's own maximum length, the checkpoint's dtype. Only
+:func:`engine_arg_types` imports vLLM.
 """
 
 from __future__ import annotations
@@ -15,17 +19,24 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neuron_lmi.config.dtypes import ALIASES, DTYPES, canonical_dtype
+from neuron_lmi.config.options import (
+    VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
+    VLLM_DEFAULT_MAX_ROLLING_BATCH_SIZE,
+    ConfigError,
+)
+
+if TYPE_CHECKING:
+    from neuron_lmi.config.loader import ResolvedConfig
+    from neuron_lmi.config.sources import Origin
 
 log = logging.getLogger(__name__)
 
-# LMI on vLLM: 256 rows (vLLM's max_num_seqs) unless set (djl-serving's LmiConfigRecommender).
-DEFAULT_MAX_ROLLING_BATCH_SIZE = 256
 SPAWN_VAR = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
@@ -35,21 +46,6 @@ def vllm_dtype(name: str) -> str | None:
         return "auto"
     canonical = canonical_dtype(name)
     return DTYPES[canonical].torch_name if canonical is not None else None
-
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(f"expected true/false, got {value!r}")
-
-
-def _tp(value: Any) -> int | str:
-    return "max" if str(value).strip().lower() == "max" else int(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,11 +60,11 @@ class VllmEngineConfig:
     model: str
     served_model_name: str | None = None
     tensor_parallel_degree: int | str = "max"
-    max_rolling_batch_size: int = DEFAULT_MAX_ROLLING_BATCH_SIZE
+    max_rolling_batch_size: int = VLLM_DEFAULT_MAX_ROLLING_BATCH_SIZE
     n_positions: int | None = None
     dtype: str = "auto"
     enforce_eager: bool = False
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
     chat_template: str | None = None
     trust_remote_code: bool = False
     seed: int = 0
@@ -95,42 +91,6 @@ class VllmEngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size!r}")
-
-    @classmethod
-    def from_lmi(cls, options: Mapping[str, Any], **overrides: Any) -> VllmEngineConfig:
-        """Build from LMI keys (with or without the ``option.`` prefix); unknown keys are ignored here."""
-        kwargs: dict[str, Any] = {}
-        for key, value in options.items():
-            if value is None:
-                continue
-            bare = key[len("option.") :] if key.startswith("option.") else key
-            target = LMI_KEYS.get(bare)
-            if target is not None:
-                name, convert = target
-                try:
-                    kwargs[name] = convert(value)
-                except (TypeError, ValueError) as exc:
-                    raise ValueError(f"option.{bare}={value!r}: {exc}") from exc
-        kwargs.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**kwargs)
-
-
-# LMI key -> (our field, conversion). option.max_model_len is LMI's vLLM spelling of n_positions.
-LMI_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "model_id": ("model", str),
-    "served_model_name": ("served_model_name", str),
-    "tensor_parallel_degree": ("tensor_parallel_degree", _tp),
-    "max_rolling_batch_size": ("max_rolling_batch_size", int),
-    "n_positions": ("n_positions", int),
-    "max_model_len": ("n_positions", int),
-    "dtype": ("dtype", str),
-    "enforce_eager": ("enforce_eager", _bool),
-    "gpu_memory_utilization": ("gpu_memory_utilization", float),
-    "chat_template": ("chat_template", str),
-    "trust_remote_code": ("trust_remote_code", _bool),
-    "seed": ("seed", int),
-    "max_queue_size": ("max_queue_size", int),
-}
 
 
 def engine_args_kwargs(
@@ -208,15 +168,11 @@ OWNED_ENGINE_ARGS = {
 
 
 @dataclass(frozen=True, slots=True)
-class VllmOptions:
-    """The ``option.*`` keys the shared configuration leaves to the vLLM backend, by consumer.
+class EngineArgs:
+    """``ResolvedConfig.vllm_options`` split for vLLM: ``engine_args``, ``AsyncEngineArgs`` fields,
+    typed; ``sources``, each engine argument's key as written and where it came from; ``unknown``,
+    every other key as written -> its source."""
 
-    ``lmi``: this backend's own LMI keys (``LMI_KEYS``), raw, for ``VllmEngineConfig.from_lmi``;
-    ``engine_args``: ``AsyncEngineArgs`` fields, typed; ``sources``: each engine argument's key as
-    written and where it came from; ``unknown``: every other key as written -> its source.
-    """
-
-    lmi: dict[str, Any] = field(default_factory=dict)
     engine_args: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     unknown: dict[str, str] = field(default_factory=dict)
@@ -252,83 +208,57 @@ def coerce_engine_arg(value: Any, annotation: Any) -> Any:
     raise ValueError(f"expected {_type_name(annotation)}: {reason}")
 
 
-def vllm_engine_options(
-    properties: Mapping[str, str],
-    env: Mapping[str, str],
-    fields: Mapping[str, Any] | None = None,
-    label: str = "serving.properties",
-) -> VllmOptions:
-    """Split the unclaimed ``option.<name>`` / ``OPTION_<NAME>`` keys (serving.properties winning)
-    into this backend's LMI keys, typed ``AsyncEngineArgs`` fields (``fields``: name -> annotation,
-    vLLM's own by default) and unknown keys. A value of the wrong type raises ``ConfigError``
-    naming the key, the value and its source."""
-    from neuron_lmi.config.loader import VLLM_RELEASED_FIELDS, backend_option_origins
-    from neuron_lmi.config.options import ConfigError
-
-    origins = backend_option_origins(properties, label, env, VLLM_RELEASED_FIELDS)
+def vllm_engine_options(origins: Mapping[str, Origin], fields: Mapping[str, Any] | None = None) -> EngineArgs:
+    """Split the keys the loader left to vLLM (``ResolvedConfig.vllm_options``: bare name ->
+    ``Origin``) into typed ``AsyncEngineArgs`` fields (``fields``: name -> annotation, vLLM's own by
+    default) and unknown keys. A value of the wrong type, or an argument this backend sets itself,
+    raises ``ConfigError`` naming the key, the value and its source."""
     fields = engine_arg_types() if fields is None else fields
-    out = VllmOptions()
+    out = EngineArgs()
     # Aliases first, so that vLLM's own name wins when both are given.
     for name, origin in sorted(origins.items(), key=lambda kv: kv[0] not in ENGINE_ARG_ALIASES):
         target = ENGINE_ARG_ALIASES.get(name, name)
-        if name in LMI_KEYS:
-            out.lmi[name] = origin.value
-        elif target in OWNED_ENGINE_ARGS:
+        if target in OWNED_ENGINE_ARGS:
             reason = f"set by neuron-lmi from {OWNED_ENGINE_ARGS[target]}; set that instead"
             raise ConfigError(origin.key, origin.value, origin.source, reason)
-        elif target not in fields:
+        if target not in fields:
             out.unknown[origin.key] = origin.source
-        else:
-            try:
-                out.engine_args[target] = coerce_engine_arg(origin.value, fields[target])
-            except ValueError as exc:
-                raise ConfigError(origin.key, origin.value, origin.source, f"vLLM's {target} {exc}") from None
-            out.sources[target] = f"{origin.key} (from {origin.source})"
+            continue
+        try:
+            out.engine_args[target] = coerce_engine_arg(origin.value, fields[target])
+        except ValueError as exc:
+            raise ConfigError(origin.key, origin.value, origin.source, f"vLLM's {target} {exc}") from None
+        out.sources[target] = f"{origin.key} (from {origin.source})"
     return out
 
 
 def vllm_config_from_resolved(
-    resolved: Any,
-    env: Mapping[str, str],
+    resolved: ResolvedConfig,
     model: str,
     served_model_name: str | None,
     tp_degree: int | None = None,
     gpu_defaults: bool = True,
     fields: Mapping[str, Any] | None = None,
 ) -> VllmEngineConfig:
-    """The engine configuration for ``neuron-lmi serve`` on vLLM.
+    """The engine configuration for ``neuron-lmi serve`` on vLLM, from ``resolved`` alone.
 
     With ``gpu_defaults`` (CUDA), what no source set follows LMI on vLLM: every visible GPU, 256
-    rows, the model's own maximum length (not the Neuron ``min(max_position_embeddings, 4096)``),
-    the checkpoint's dtype. Otherwise ``tp_degree`` (already resolved) and the shared values are
-    used as they are (vllm-neuron: a Neuron compile is sized by them). Engine arguments pass through
-    (:func:`vllm_engine_options`); unknown keys not already reported by the loader are logged once.
+    rows, the model's own maximum length (not the Neuron ``min(max_position_embeddings, 4096)``).
+    Otherwise ``tp_degree`` (already resolved) and the shared values are used as they are
+    (vllm-neuron: a Neuron compile is sized by them). An unset dtype is the checkpoint's own
+    (LMI's fp16 is a Neuron default); ``served_model_name`` names the model unless
+    ``option.served_model_name`` does. Engine arguments pass through (:func:`vllm_engine_options`);
+    unknown keys not already reported by the loader are logged once.
     """
-    from neuron_lmi.config.sources import properties_label, read_properties
-
     cfg = resolved.config
 
-    def unset(name: str) -> bool:
+    def default(name: str) -> bool:
         return resolved.source_of(name).startswith("default")
 
-    tp = cfg.parallel.tensor_parallel_degree if tp_degree is None else tp_degree
-    options: dict[str, Any] = {
-        "tensor_parallel_degree": "max" if gpu_defaults and unset("tensor_parallel_degree") else tp,
-        "max_rolling_batch_size": DEFAULT_MAX_ROLLING_BATCH_SIZE
-        if gpu_defaults and unset("max_rolling_batch_size")
-        else cfg.batching.max_rolling_batch_size,
-        "n_positions": None if gpu_defaults and unset("n_positions") else cfg.batching.n_positions,
-        # LMI's default dtype (fp16) is a Neuron default; on vLLM, unless asked, the checkpoint's own.
-        "dtype": "auto" if unset("dtype") else cfg.model.dtype,
-        "trust_remote_code": cfg.model.trust_remote_code,
-        "max_queue_size": cfg.batching.max_queue_size,
-    }
-    path = resolved.properties_path
-    readable = path is not None and Path(path).is_file()
-    properties = read_properties(Path(path)) if readable else {}
-    label = properties_label(Path(path)) if readable else "serving.properties"
-    found = vllm_engine_options(properties, env, fields, label)
-    options.update(found.lmi)
+    def lmi_on_vllm(name: str) -> bool:  # unset, and LMI-on-vLLM defaults apply
+        return gpu_defaults and default(name)
+
+    found = vllm_engine_options(resolved.vllm_options, fields)
     extra = dict(found.engine_args)
     if cfg.batching.max_prefill_tokens is not None:
         extra.setdefault("max_num_batched_tokens", cfg.batching.max_prefill_tokens)
@@ -338,6 +268,23 @@ def vllm_config_from_resolved(
     if fresh:
         listed = ", ".join(f"{key} ({where})" for key, where in fresh.items())
         log.warning("ignoring configuration keys that are not vLLM engine arguments: %s", listed)
-    return VllmEngineConfig.from_lmi(
-        options, model=model, served_model_name=served_model_name, extra_engine_args=extra
+    tp = cfg.parallel.tensor_parallel_degree if tp_degree is None else tp_degree
+    rows = cfg.batching.max_rolling_batch_size
+    if lmi_on_vllm("max_rolling_batch_size"):
+        rows = VLLM_DEFAULT_MAX_ROLLING_BATCH_SIZE
+    return VllmEngineConfig(
+        model=model,
+        served_model_name=cfg.vllm.served_model_name or served_model_name,
+        tensor_parallel_degree="max" if lmi_on_vllm("tensor_parallel_degree") else tp,
+        max_rolling_batch_size=rows,
+        n_positions=None if lmi_on_vllm("n_positions") else cfg.batching.n_positions,
+        dtype="auto" if default("dtype") else cfg.model.dtype,
+        # vLLM's own switch when the loader left it to vLLM (typed above), else the shared one.
+        enforce_eager=extra.pop("enforce_eager", cfg.model.enforce_eager),
+        gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
+        chat_template=cfg.vllm.chat_template,
+        trust_remote_code=cfg.model.trust_remote_code,
+        seed=cfg.vllm.seed,
+        max_queue_size=cfg.batching.max_queue_size,
+        extra_engine_args=extra,
     )

@@ -1,41 +1,38 @@
 """The vLLM backends' engine builders, registered as ``vllm`` (CUDA, or a CPU build of vLLM when asked
 for) and ``vllm-neuron`` (vLLM with the vllm-neuron platform plugin; see ``neuron_platform.py``).
 
-Both build the same ``VllmEngine`` from the server's resolved configuration; the keys the shared
-configuration does not model (vLLM's engine arguments, ``option.chat_template``...) are read by
-``gpu_fallback.config.vllm_config_from_resolved``. Importing this module imports no vLLM.
+Both build the same ``VllmEngine`` from the server's resolved configuration alone
+(``gpu_fallback.config.vllm_config_from_resolved``: the shared fields, vLLM's own section, and the
+engine arguments the loader kept in ``vllm_options``). Importing this module imports no vLLM.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from gpu_fallback.config import VllmEngineConfig, vllm_config_from_resolved
 from gpu_fallback.engine import VllmEngine
 from neuron_lmi.backends import registry
 from neuron_lmi.backends.common import fetch, model_name, read_config_json, with_model_defaults
+from neuron_lmi.config import ResolvedConfig
 
 log = logging.getLogger(__name__)
 
 
 def vllm_engine_config(
-    resolved: Any, env: Mapping[str, str], path: Path, tp_degree: int, gpu_defaults: bool = True
+    resolved: ResolvedConfig, path: Path, tp_degree: int, gpu_defaults: bool = True
 ) -> VllmEngineConfig:
     """The engine configuration shared by both vLLM backends; ``tp_degree`` is already resolved.
     ``gpu_defaults``: LMI-on-vLLM defaults for what no source set (see ``vllm_config_from_resolved``)."""
-    return vllm_config_from_resolved(
-        resolved, env, str(path), model_name(resolved), tp_degree, gpu_defaults=gpu_defaults
-    )
+    return vllm_config_from_resolved(resolved, str(path), model_name(resolved), tp_degree, gpu_defaults)
 
 
 def build_vllm_engine(request: registry.BuildRequest) -> VllmEngine:
     """A ``VllmEngine`` (not started) on CUDA, or on a CPU build of vLLM when it was asked for."""
     path = fetch(request.resolved, request.env)
-    return VllmEngine(vllm_engine_config(request.resolved, request.env, path, request.tp_degree))
+    return VllmEngine(vllm_engine_config(request.resolved, path, request.tp_degree))
 
 
 def build_vllm_neuron_engine(request: registry.BuildRequest) -> VllmEngine:
@@ -50,7 +47,7 @@ def build_vllm_neuron_engine(request: registry.BuildRequest) -> VllmEngine:
     resolved = with_model_defaults(request.resolved, path)
     neuron = resolved.config.neuron
     setup = neuron_platform_setup(
-        vllm_engine_config(resolved, request.env, path, request.tp_degree, gpu_defaults=False),
+        vllm_engine_config(resolved, path, request.tp_degree, gpu_defaults=False),
         neuron.override_neuron_config,
         neuron.compiled_graph_path,
         read_config_json(path),

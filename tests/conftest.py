@@ -1,13 +1,31 @@
-"""Shared fixtures: tiny random checkpoints (built once per session) and the SmolLM2 GGUF."""
+"""Shared fixtures: tiny random checkpoints (built once per session) and the SmolLM2 GGUF; and
+``cpu_options``, the CPU engine's options from configuration keys."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
+
+if TYPE_CHECKING:
+    from neuron_lmi.backends.cpu.engine import CpuEngineOptions
+
+
+def cpu_options(model: str | Path, **keys: object) -> CpuEngineOptions:
+    """The CPU engine's options as ``serve`` resolves them from ``keys`` (LMI's names; no
+    serving.properties, no environment) for ``model`` as given, with what the parity tests need said
+    as configuration: ``dtype=fp32`` and ``enforce_eager=true`` unless ``keys`` say otherwise."""
+    # Imported here: every test session loads this file, and most never need torch.
+    from neuron_lmi.backends.cpu.engine import CpuEngineOptions
+    from neuron_lmi.config import load_config
+
+    resolved = load_config({"model_id": str(model), "dtype": "fp32", "enforce_eager": True, **keys}, None, {})
+    degree = resolved.config.parallel.tensor_parallel_degree
+    return CpuEngineOptions.from_resolved(resolved, model, 1 if degree == "max" else int(degree))
 
 
 @pytest.fixture(scope="session")

@@ -82,9 +82,10 @@ def eos_ids_for(config: Any, tokenizer: Any) -> list[int]:
 
 
 def rolling_batch_engine(
-    runner: Any, path: str | Path, resolved: ResolvedConfig, backend: str
+    runner: Any, path: str | Path, resolved: ResolvedConfig, backend: str, model_dtype: str | None = None
 ) -> AsyncEngine:
-    """Our rolling-batch engine (scheduler, host sampler, stop checks) around ``runner``."""
+    """Our rolling-batch engine (scheduler, host sampler, stop checks) around ``runner``;
+    ``model_dtype`` is what ``/info`` reports (the runner's, where it says; else ``option.dtype``)."""
     from transformers import AutoTokenizer
 
     cfg = resolved.config
@@ -101,4 +102,5 @@ def rolling_batch_engine(
         model_name=model_name(resolved),
         max_queue_size=cfg.batching.max_queue_size,
         backend_name=backend,
+        model_dtype=model_dtype,
     )

@@ -1,15 +1,19 @@
-"""Engine builders by backend name: each backend registers the one function that builds its Engine.
+"""Backends by name: each backend folder registers its one object (``register_backend``), whose
+``engine`` builds its Engine and whose ``plan``/``compile``/``load`` are the path ``serve`` and
+``neuron-lmi compile`` share (``backends.backend``). A backend with nothing to compile (vLLM)
+registers only an engine builder (``register(name, builder)``).
 
-    neuron-lmi serve:  configuration -> dispatch.choose_backend -> name -> get(name)(request) -> Engine
+    neuron-lmi serve:    configuration -> dispatch.choose_backend -> name -> get(name)(request) -> Engine
+    neuron-lmi compile:  configuration -> target -> name -> backend(name).plan -> compile -> load
 
-A backend's module registers its builder when it is imported (``register(name, builder)``).
+A backend's module registers when it is imported.
 ``BUILTIN_MODULES`` says where the built-in backends live, as strings, so ``get`` imports a backend
 (and its libraries: torch models, NxD Inference, vLLM) only when it is chosen. Nothing here imports
 ``neuron_lmi.commands``, and no backend does either.
 
-    cpu          neuron_lmi.backends.cpu.build   the torch reference engine
-    neuron-tnx   neuron_lmi.backends.tnx.build   transformers-neuronx runner
-    neuron-nxdi  neuron_lmi.backends.nxdi.build  NxD Inference runner
+    cpu          neuron_lmi.backends.cpu.backend   the torch reference engine
+    neuron-tnx   neuron_lmi.backends.tnx.backend   transformers-neuronx runner
+    neuron-nxdi  neuron_lmi.backends.nxdi.backend  NxD Inference runner
     vllm         gpu_fallback.serve              vLLM on CUDA
     vllm-neuron  gpu_fallback.serve              vLLM with the vllm-neuron plugin
 """
@@ -24,6 +28,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from neuron_lmi.backends.backend import Backend
     from neuron_lmi.backends.dispatch import BackendChoice
     from neuron_lmi.config import ResolvedConfig
     from neuron_lmi.engine.protocol import Engine
@@ -32,9 +37,9 @@ log = logging.getLogger(__name__)
 
 BUILTIN_MODULES: Mapping[str, str] = MappingProxyType(
     {
-        "cpu": "neuron_lmi.backends.cpu.build",
-        "neuron-tnx": "neuron_lmi.backends.tnx.build",
-        "neuron-nxdi": "neuron_lmi.backends.nxdi.build",
+        "cpu": "neuron_lmi.backends.cpu.backend",
+        "neuron-tnx": "neuron_lmi.backends.tnx.backend",
+        "neuron-nxdi": "neuron_lmi.backends.nxdi.backend",
         "vllm": "gpu_fallback.serve",
         "vllm-neuron": "gpu_fallback.serve",
     }
@@ -57,6 +62,7 @@ class BuildRequest:
 EngineBuilder = Callable[[BuildRequest], "Engine"]
 
 _BUILDERS: dict[str, EngineBuilder] = {}
+_BACKENDS: dict[str, Backend] = {}
 
 
 def register(name: str, builder: EngineBuilder) -> None:
@@ -72,6 +78,22 @@ def register(name: str, builder: EngineBuilder) -> None:
     if old is not None and _qualname(old) != _qualname(builder):
         raise ValueError(f"backend {name!r} is already built by {_qualname(old)}, not {_qualname(builder)}")
     _BUILDERS[name] = builder
+
+
+def register_backend(backend: Backend) -> None:
+    """Register a backend folder's object under ``backend.name``: its ``engine`` is the builder."""
+    register(backend.name, backend.engine)
+    _BACKENDS[backend.name] = backend
+
+
+def backend(name: str) -> Backend:
+    """The object of backend ``name`` (importing its built-in module first when needed); a backend
+    that registered only an engine builder compiles nothing, and is a ``LookupError`` here."""
+    get(name)
+    found = _BACKENDS.get(name)
+    if found is None:
+        raise LookupError(f"backend {name!r} has nothing to compile (it builds its engine only)")
+    return found
 
 
 def get(name: str) -> EngineBuilder:

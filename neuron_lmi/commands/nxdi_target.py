@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Mapping
 
-from neuron_lmi.backends.host import NXDI, installed_version
-from neuron_lmi.backends.nxdi.support import PLATFORM_KEY, PLATFORM_VAR, Platform, release, target_platform
-
-__all__ = ["PLATFORM_VAR", "nxdi_target", "nxdi_version"]
+from neuron_lmi.backends.nxdi.support import release
 
 OLDEST = (0, 8)  # the mapping is written for NxD Inference 0.8 (SDK 2.28) and later
 
@@ -33,26 +29,3 @@ def nxdi_version(text: str) -> str:
             "--model-loader tnx)"
         )
     return value
-
-
-def nxdi_target(
-    configured_platform: str | None,
-    platform_key: str,
-    given_version: str | None,
-    env: Mapping[str, str],
-    compiling: bool = False,
-) -> tuple[Platform, str | None, str]:
-    """(platform, release or None to infer it from the platform, where the release came from).
-
-    ``compiling`` (a real compile, not a review) refuses a ``--nxdi-version`` other than the installed
-    release: the compile runs the installed library."""
-    platform = target_platform(configured_platform, env, key=platform_key or PLATFORM_KEY)
-    installed = installed_version(NXDI.distribution)
-    if given_version:
-        if compiling and installed and release(installed) != release(given_version):
-            raise ValueError(
-                f"--nxdi-version {given_version}: NxD Inference {installed} is installed, and a compile "
-                "runs the installed release; drop --nxdi-version or add --dry-run"
-            )
-        return platform, given_version, "--nxdi-version"
-    return platform, installed, "installed"

@@ -16,7 +16,8 @@ import os
 import sys
 from typing import Any
 
-from neuron_lmi.commands.nxdi_target import nxdi_target, nxdi_version
+from neuron_lmi.backends.nxdi.backend import nxdi_target
+from neuron_lmi.commands.nxdi_target import nxdi_version
 from neuron_lmi.config.options import NEURON_PLATFORMS
 from neuron_lmi.parallel.catalog import GIB, INSTANCES, PRESETS, ModelSpec, get_instance, load_model_spec
 from neuron_lmi.parallel.planner import (

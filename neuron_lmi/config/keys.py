@@ -5,8 +5,8 @@ Nothing else in the project reads these environment variables for configuration:
 claims is reported as ignored.
 
 Invariants (checked at import): field names are unique across sections, so ``ResolvedConfig.sources``
-can be keyed by the bare field name; every entry names a real field; no two entries claim the same
-properties key or environment variable.
+can be keyed by the bare field name; every entry names a real field; no two entries (names or
+aliases) claim the same properties key or environment variable.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ class KeySpec:
     non-option keys); ``env`` the environment variables read for it, in priority order (the generic
     ``OPTION_X``/``SERVING_X`` spelling is derived from ``lmi`` and always comes first); ``secret``
     marks values that are masked when printed and never written to a properties file.
+    ``aliases`` are LMI's other properties keys for the same field (``option.max_model_len``, LMI's
+    vLLM name for ``option.n_positions``), read after ``lmi`` in the same source, with their generic
+    variables after the generic one; only ``lmi`` is ever written.
     """
 
     section: str
@@ -32,6 +35,7 @@ class KeySpec:
     lmi: str
     env: tuple[str, ...] = ()
     secret: bool = False
+    aliases: tuple[str, ...] = ()
 
     @property
     def path(self) -> str:
@@ -40,17 +44,28 @@ class KeySpec:
     @property
     def generic_env(self) -> str:
         """``option.n_positions`` → ``OPTION_N_POSITIONS``; ``engine`` → ``SERVING_ENGINE``."""
-        if self.lmi.startswith("option."):
-            return "OPTION_" + self.lmi.removeprefix("option.").upper()
-        return "SERVING_" + self.lmi.upper()
+        return _generic_env(self.lmi)
 
     @property
     def env_names(self) -> tuple[str, ...]:
-        return (self.generic_env, *self.env)
+        return (self.generic_env, *map(_generic_env, self.aliases), *self.env)
+
+    @property
+    def properties_keys(self) -> tuple[str, ...]:
+        """Every serving.properties key that sets this field, ``lmi`` first."""
+        return (self.lmi, *self.aliases)
 
 
-def _opt(section: str, field: str, *env: str, name: str | None = None) -> KeySpec:
-    return KeySpec(section, field, f"option.{name or field}", tuple(env))
+def _generic_env(key: str) -> str:
+    if key.startswith("option."):
+        return "OPTION_" + key.removeprefix("option.").upper()
+    return "SERVING_" + key.upper()
+
+
+def _opt(
+    section: str, field: str, *env: str, name: str | None = None, aliases: tuple[str, ...] = ()
+) -> KeySpec:
+    return KeySpec(section, field, f"option.{name or field}", tuple(env), aliases=aliases)
 
 
 def _srv(section: str, field: str, *env: str, name: str | None = None, secret: bool = False) -> KeySpec:
@@ -69,7 +84,7 @@ KEYS: tuple[KeySpec, ...] = (
     _opt("batching", "rolling_batch"),
     _opt("batching", "max_rolling_batch_size", "MAX_BATCH_SIZE"),
     _opt("batching", "batch_size"),
-    _opt("batching", "n_positions"),
+    _opt("batching", "n_positions", aliases=("option.max_model_len",)),
     _opt("batching", "context_length_estimate"),
     _srv("batching", "max_queue_size", name="job_queue_size"),
     _opt("batching", "max_prefill_tokens"),
@@ -108,10 +123,15 @@ KEYS: tuple[KeySpec, ...] = (
     _opt("server", "enable_auto_tool_choice"),
     # reasoning output (LMI's vLLM key; our server splits it on every backend)
     _opt("server", "reasoning_parser"),
+    # vLLM's own settings under LMI's names (read by the vLLM backends only)
+    _opt("vllm", "gpu_memory_utilization"),
+    _opt("vllm", "chat_template"),
+    _opt("vllm", "seed"),
+    _opt("vllm", "served_model_name"),
 )
 
 BY_FIELD: dict[str, KeySpec] = {spec.field: spec for spec in KEYS}
-BY_LMI: dict[str, KeySpec] = {spec.lmi.lower(): spec for spec in KEYS}
+BY_LMI: dict[str, KeySpec] = {key.lower(): spec for spec in KEYS for key in spec.properties_keys}
 
 # Environment variables that SM_NUM_GPUS-style aliases may carry as "not set": SageMaker CPU and
 # Neuron hosts can export SM_NUM_GPUS=0, which must not become tensor_parallel_degree=0.
@@ -120,7 +140,7 @@ ZERO_MEANS_UNSET = frozenset({"SM_NUM_GPUS"})
 
 def _check_table() -> None:
     """Fail at import, not at serve time, if the table and the models drift apart."""
-    if len(BY_FIELD) != len(KEYS) or len(BY_LMI) != len(KEYS):
+    if len(BY_FIELD) != len(KEYS) or len(BY_LMI) != sum(len(spec.properties_keys) for spec in KEYS):
         raise RuntimeError("config KEYS: duplicate field or properties key")
     env_names = [name for spec in KEYS for name in spec.env_names]
     if len(env_names) != len(set(env_names)):

@@ -7,11 +7,13 @@ winning value of a field is validated: a bad environment value shadowed by a goo
 error. Every ``option.*``/non-option properties key and every ``OPTION_*``/``SERVING_*`` variable
 that the key table does not claim is listed in ``ResolvedConfig.ignored`` and logged once, except
 when the vLLM backend is asked for (``--backend vllm``, ``option.backend=vllm`` or
-``option.rolling_batch=vllm``): LMI passes every ``option.<AsyncEngineArgs field>`` to vLLM, so the
-unclaimed ``option.*``/``OPTION_*`` keys are kept in ``ResolvedConfig.backend_options`` instead
-(``gpu_fallback.config`` type-checks them and reports the ones vLLM does not know), and LMI's
+``option.rolling_batch=vllm``/``lmi-dist``): LMI passes every ``option.<AsyncEngineArgs field>`` to
+vLLM, so the unclaimed ``option.*``/``OPTION_*`` keys are vLLM's to judge (``ResolvedConfig.backend_options``;
+``gpu_fallback.config`` type-checks them and reports the ones vLLM does not know), and LMI's
 ``option.quantize`` is left to vLLM (its ``quantization``: awq, gptq, fp8...) rather than validated
-as a Neuron setting.
+as a Neuron setting. Those keys are kept, raw, in ``ResolvedConfig.vllm_options`` whatever was asked
+for, so that vLLM chosen by dispatch alone (``auto`` on a CUDA host) gets them too: serving.properties
+is read here once, and no backend reads it again.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from neuron_lmi.config.options import (
     default_n_positions_source,
 )
 from neuron_lmi.config.sources import (
+    CLI,
     PROPERTIES_NAME,
+    Origin,
     format_properties,
     holds_weights,
     properties_label,
@@ -42,21 +46,17 @@ from neuron_lmi.config.sources import (
     sagemaker_model_dir,
     write_text_atomic,
 )
+from neuron_lmi.config.vllm_keys import (
+    VLLM_RELEASED_FIELDS,
+    asks_for_vllm,
+    backend_option_origins,
+    bare_option,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT = "default"
-CLI = "cli"
 MASK = "********"
-
-
-@dataclass(frozen=True, slots=True)
-class Origin:
-    """Where a raw value came from: the name as written, the raw value, and the source label."""
-
-    key: str
-    value: Any
-    source: str
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,11 @@ class ResolvedConfig:
     ``"default"``); ``ignored`` maps each unsupported key, as written, to where it was found;
     ``properties_path`` is the file that was read, if any; ``keys`` maps each field that did not come
     from a default to its name as written there (``OPTION_N_POSITIONS``, ``--n-positions``...);
-    ``backend_options`` (vLLM only) maps each unclaimed ``option.*`` key's bare lower-case name to
-    its raw value and source, and none of them is also in ``ignored``.
+    ``vllm_options`` maps the bare lower-case name of each ``option.*`` key and ``OPTION_*`` variable
+    the table does not claim, and of each shared key vLLM reads itself (``VLLM_RELEASED_FIELDS``,
+    from any source), to its raw value and source: what vLLM takes as its engine arguments when it
+    serves. ``vllm_asked`` says whether the vLLM backend was asked for; only then are those keys
+    left out of ``ignored`` and the released fields left at their defaults in ``config``.
     """
 
     config: ServingConfig
@@ -77,7 +80,14 @@ class ResolvedConfig:
     ignored: Mapping[str, str] = field(default_factory=dict)
     properties_path: Path | None = None
     keys: Mapping[str, str] = field(default_factory=dict)
-    backend_options: Mapping[str, Origin] = field(default_factory=dict)
+    vllm_options: Mapping[str, Origin] = field(default_factory=dict)
+    vllm_asked: bool = False
+
+    @property
+    def backend_options(self) -> Mapping[str, Origin]:
+        """``vllm_options`` when the vLLM backend was asked for (none of them is in ``ignored``),
+        else empty: what ``--print-config`` lists as vLLM engine arguments."""
+        return self.vllm_options if self.vllm_asked else {}
 
     @property
     def ignored_keys(self) -> tuple[str, ...]:
@@ -103,11 +113,17 @@ def _collect_cli(cli: Mapping[str, Any], origins: dict[str, Origin]) -> None:
         origins[spec.field] = Origin("--" + name.removeprefix("option.").replace("_", "-"), value, CLI)
 
 
+def _is_alias(key: str) -> bool:
+    spec = BY_LMI.get(key.strip().lower())
+    return spec is not None and key.strip().lower() != spec.lmi.lower()
+
+
 def _collect_properties(
     values: Mapping[str, str], label: str, origins: dict[str, Origin], ignored: dict[str, str]
 ) -> None:
-    for key, value in values.items():
-        spec = BY_LMI.get(key.lower())
+    # A field's own key before its aliases: option.n_positions wins over option.max_model_len.
+    for key, value in sorted(values.items(), key=lambda kv: _is_alias(kv[0])):
+        spec = BY_LMI.get(key.strip().lower())
         if spec is None:
             ignored[key] = label
         elif spec.field not in origins:
@@ -120,48 +136,6 @@ def _collect_env(env: Mapping[str, str], origins: dict[str, Origin], ignored: di
         origins.setdefault(field_name, Origin(var, value, f"env:{var}"))
     for var in unclaimed:
         ignored[var] = f"env:{var}"
-
-
-# Shared keys vLLM reads itself when it serves: LMI's option.quantize is vLLM's quantization, and
-# option.enforce_eager is vLLM's own switch (ours turns off the CPU engine's compiled graphs).
-VLLM_RELEASED_FIELDS = ("quantize", "enforce_eager")
-OPTION_PREFIX = "option."
-OPTION_ENV_PREFIX = "OPTION_"
-
-
-def backend_option_origins(
-    properties: Mapping[str, str], label: str, env: Mapping[str, str], release: tuple[str, ...] = ()
-) -> dict[str, Origin]:
-    """Every ``option.<name>`` properties key and ``OPTION_<NAME>`` variable the key table does not
-    claim (or whose field ``release`` names), by bare lower-case name; serving.properties wins over
-    the environment, as in LMI. Empty environment values count as unset."""
-    claimed_env = {var for spec in KEYS if spec.field not in release for var in spec.env_names}
-    found: dict[str, Origin] = {}
-    for var, value in env.items():
-        if var.startswith(OPTION_ENV_PREFIX) and var not in claimed_env and value.strip():
-            found[var.removeprefix(OPTION_ENV_PREFIX).lower()] = Origin(var, value, f"env:{var}")
-    for key, value in properties.items():
-        lower = key.strip().lower()
-        spec = BY_LMI.get(lower)
-        if lower.startswith(OPTION_PREFIX) and (spec is None or spec.field in release):
-            found[lower.removeprefix(OPTION_PREFIX)] = Origin(key, value, label)
-    return found
-
-
-def _passes_engine_args(origins: Mapping[str, Origin]) -> bool:
-    """Whether vLLM was asked for, so unclaimed ``option.*`` keys are its engine arguments."""
-
-    def raw(name: str) -> str:
-        return str(origins[name].value).strip().lower() if name in origins else ""
-
-    return raw("backend") == "vllm" or raw("rolling_batch") == "vllm"
-
-
-def _bare_option(key: str) -> str | None:
-    lower = key.strip().lower()
-    if lower.startswith(OPTION_PREFIX):
-        return lower.removeprefix(OPTION_PREFIX)
-    return key.removeprefix(OPTION_ENV_PREFIX).lower() if key.startswith(OPTION_ENV_PREFIX) else None
 
 
 def _validate(origins: Mapping[str, Origin]) -> ServingConfig:
@@ -266,12 +240,13 @@ def load_config(
     label = properties_label(path) if path is not None else ""
     _collect_properties(properties, label, origins, ignored)
     _collect_env(env, origins, ignored)
-    backend_options: dict[str, Origin] = {}
-    if _passes_engine_args(origins):
+    vllm_options = backend_option_origins(properties, label, env, VLLM_RELEASED_FIELDS)
+    vllm_options.update({k: o for k, o in origins.items() if k in VLLM_RELEASED_FIELDS and o.source == CLI})
+    vllm_asked = asks_for_vllm(origins)
+    if vllm_asked:
         for released in VLLM_RELEASED_FIELDS:
             origins.pop(released, None)
-        backend_options = backend_option_origins(properties, label, env, VLLM_RELEASED_FIELDS)
-        ignored = {k: v for k, v in ignored.items() if _bare_option(k) not in backend_options}
+        ignored = {k: v for k, v in ignored.items() if bare_option(k) not in vllm_options}
 
     if "model_id" not in origins:
         for folder in _model_dir_candidates(path, env):
@@ -287,7 +262,8 @@ def load_config(
         ignored=dict(sorted(ignored.items())),
         properties_path=path,
         keys={name: origin.key for name, origin in origins.items()},
-        backend_options=dict(sorted(backend_options.items())),
+        vllm_options=dict(sorted(vllm_options.items())),
+        vllm_asked=vllm_asked,
     )
     if ignored:
         listed = ", ".join(f"{name} ({where})" for name, where in resolved.ignored.items())

@@ -61,14 +61,16 @@ ReasoningParser = Literal["deepseek_r1", "qwen3"]
 # Fallback when the model's max_position_embeddings is unknown; LMI's smart default caps at 4096.
 N_POSITIONS_FALLBACK = 2048
 N_POSITIONS_CAP = 4096
-# Batching defaults, here once: the configuration's fields and the CPU engine's options
-# (neuron_lmi.backends.cpu.engine.CpuEngineOptions, which the Python API builds without a
-# configuration) both read them.
+# Batching defaults, here once: the configuration's fields read them, and the CPU engine's options
+# (neuron_lmi.backends.cpu.engine.CpuEngineOptions) are made from the resolved configuration.
 DEFAULT_MAX_ROLLING_BATCH_SIZE = 32
 DEFAULT_MAX_QUEUE_SIZE = 1000
 # option.max_prefill_tokens unset: how many prompt tokens one step of our engine prefills at most
 # (None stays None in the configuration, so vLLM keeps its own default).
 DEFAULT_MAX_PREFILL_TOKENS = 4096
+# neuron-lmi generate runs one prompt: one KV row where no source sets option.max_rolling_batch_size
+# (or option.batch_size), instead of the server's DEFAULT_MAX_ROLLING_BATCH_SIZE rows.
+GENERATE_MAX_ROLLING_BATCH_SIZE = 1
 
 
 class ConfigError(ValueError):
@@ -351,6 +353,26 @@ class ServerOptions(_Section):
     reasoning_parser: ReasoningParser | None = None
 
 
+# LMI on vLLM (djl-serving's LmiConfigRecommender): 256 rolling-batch rows where none is set.
+VLLM_DEFAULT_MAX_ROLLING_BATCH_SIZE = 256
+VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+class VllmOptions(_Section):
+    """vLLM's own settings under LMI's names, read by the vLLM backends (CUDA, vLLM's CPU build,
+    vllm-neuron); the CPU and Neuron engines ignore them, as CUDA vLLM ignores ``NeuronOptions``.
+
+    ``chat_template`` is a Jinja template, inline or a path to a file; ``served_model_name`` None
+    names the model by ``model_id``. Every other ``option.<AsyncEngineArgs field>`` reaches vLLM
+    through ``ResolvedConfig.vllm_options`` instead, typed by vLLM's own annotations.
+    """
+
+    gpu_memory_utilization: float = Field(default=VLLM_DEFAULT_GPU_MEMORY_UTILIZATION, gt=0, le=1)
+    chat_template: str | None = None
+    seed: int = 0
+    served_model_name: str | None = None
+
+
 class ServingConfig(BaseModel):
     """Everything ``neuron-lmi serve`` needs, split by concern. Frozen; build it with ``load_config``."""
 
@@ -362,6 +384,7 @@ class ServingConfig(BaseModel):
     neuron: NeuronOptions = NeuronOptions()
     backend: BackendOptions = BackendOptions()
     server: ServerOptions = ServerOptions()
+    vllm: VllmOptions = VllmOptions()
 
 
 SECTIONS: dict[str, type[_Section]] = {
@@ -371,4 +394,5 @@ SECTIONS: dict[str, type[_Section]] = {
     "neuron": NeuronOptions,
     "backend": BackendOptions,
     "server": ServerOptions,
+    "vllm": VllmOptions,
 }

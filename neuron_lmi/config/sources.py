@@ -10,14 +10,27 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from neuron_lmi.config.options import ConfigError
 
 PROPERTIES_NAME = "serving.properties"
+CLI = "cli"  # the source label of a command-line value
 SAGEMAKER_ROOT = Path("/opt/ml")
 SAGEMAKER_ROOT_VAR = "NEURON_LMI_SAGEMAKER_ROOT"
 SAGEMAKER_MODEL_DIR = SAGEMAKER_ROOT / "model"
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a raw value came from: the name as written, the raw value, and the source label
+    (``"cli"``, ``"serving.properties:<path>"``, ``"env:<VAR>"``...)."""
+
+    key: str
+    value: Any
+    source: str
 
 
 def properties_label(path: Path) -> str:

@@ -35,7 +35,10 @@ here against the contract it drives on a device:
   ``_sample_on_device``/``_get_constructed_outputs``).
 
 Every one of these was checked against the library's own code on the CPU, call by call
-(``tests/backends/nxdi_library/test_contract_agreement.py``).
+(``tests/backends/nxdi_library/test_contract_agreement.py``), for every family the backend maps: Llama,
+Mistral (a window of 8), Mixtral, Qwen2, Qwen3, Qwen3-MoE and Gemma 3 (text and vision-language, within
+its window: the only way NxD Inference serves it, ``backends/nxdi/model_checks``), over the CPU
+engine's model of each (``LlamaForCausalLM`` and its registered subclasses).
 
 Anything the library would reject (a position past ``seq_len``, a seq_id out of range, a mask that is
 not right padding) raises ``ValueError`` here. ``calls`` records each call's kind and shape.

@@ -23,16 +23,25 @@ N_ROWS, N_POSITIONS = 4, 64
 
 def test_every_builtin_backend_resolves_to_its_builder() -> None:
     expected = {
-        "cpu": "build_cpu_engine",
-        "neuron-tnx": "build_tnx_engine",
-        "neuron-nxdi": "build_nxdi_engine",
+        "cpu": "CpuBackend.engine",
+        "neuron-tnx": "TnxBackend.engine",
+        "neuron-nxdi": "NxdiBackend.engine",
         "vllm": "build_vllm_engine",
         "vllm-neuron": "build_vllm_neuron_engine",
     }
     assert set(registry.BUILTIN_MODULES) == set(dispatch.BACKEND_NAMES) == set(expected)
     for name, function in expected.items():
-        assert registry.get(name).__name__ == function
+        assert registry.get(name).__qualname__ == function
     assert set(expected) <= set(registry.registered())
+
+
+def test_a_backend_folder_is_one_object_with_the_compile_path() -> None:
+    for name in ("cpu", "neuron-tnx", "neuron-nxdi"):
+        backend = registry.backend(name)
+        assert backend.name == name and registry.get(name) == backend.engine
+        assert all(callable(getattr(backend, step)) for step in ("plan", "compile", "load"))
+    with pytest.raises(LookupError, match="'vllm' has nothing to compile"):
+        registry.backend("vllm")
 
 
 def test_unknown_backend_and_conflicting_registration() -> None:
@@ -44,7 +53,7 @@ def test_unknown_backend_and_conflicting_registration() -> None:
     def build_cpu_engine_elsewhere(request: registry.BuildRequest) -> Any:
         return None
 
-    with pytest.raises(ValueError, match="already built by build_cpu_engine"):
+    with pytest.raises(ValueError, match=r"already built by CpuBackend\.engine"):
         registry.register("cpu", build_cpu_engine_elsewhere)
     assert registry.get("cpu") is builder
 
@@ -138,8 +147,8 @@ def test_build_engine_fails_at_start_up_on_a_neuron_host_without_a_library(
 @pytest.mark.parametrize(
     ("backend", "module", "function"),
     [
-        ("neuron-tnx", "neuron_lmi.backends.tnx.build", "build_neuron_runner"),
-        ("neuron-nxdi", "neuron_lmi.backends.nxdi.build", "build_nxdi_runner"),
+        ("neuron-tnx", "neuron_lmi.backends.tnx.backend", "build_neuron_runner"),
+        ("neuron-nxdi", "neuron_lmi.backends.nxdi.backend", "build_nxdi_runner"),
     ],
 )
 def test_neuron_builders_wrap_the_runner_in_the_rolling_batch_engine(
@@ -154,10 +163,12 @@ def test_neuron_builders_wrap_the_runner_in_the_rolling_batch_engine(
     model = build_model(ckpt.config, ckpt.state_dict, n_positions=N_POSITIONS)
     calls: list[tuple[Any, ...]] = []
 
-    def fake_runner(config, model_path, cache, tp_degree=None, **_):
-        calls.append((config, model_path, cache, tp_degree))
+    def fake_runner(request, model_path, **_):
+        calls.append((request, model_path))
         contract = ContractModel(model, N_ROWS, N_POSITIONS)
-        return NeuronRunner(contract, N_ROWS, N_POSITIONS, model.args.vocab_size, contract.context_buckets)
+        runner = NeuronRunner(contract, N_ROWS, N_POSITIONS, model.args.vocab_size, contract.context_buckets)
+        runner.dtype = "bf16"  # an NxdiRunner says what its application computes in
+        return runner
 
     monkeypatch.setattr(importlib.import_module(module), function, fake_runner)
     props = _properties(tmp_path, tiny_llama_dir, max_rolling_batch_size=str(N_ROWS))
@@ -165,14 +176,13 @@ def test_neuron_builders_wrap_the_runner_in_the_rolling_batch_engine(
     request = registry.BuildRequest(resolved, {}, backend, 2)
     engine = registry.get(backend)(request)
 
-    (config, model_path, cache, tp) = calls[0]
-    assert (model_path, tp) == (str(tiny_llama_dir), 2)
-    assert config.batching.n_positions is not None  # LMI's model default applied before the runner
-    assert cache is not None
+    (got, model_path) = calls[0]
+    assert (str(model_path), got.tp_degree, got.backend) == (str(tiny_llama_dir), 2, backend)
     assert (engine.backend_name, engine.model_name) == (backend, str(tiny_llama_dir))
     assert (engine.max_batch_size, engine.n_positions) == (N_ROWS, N_POSITIONS)
     assert engine.max_queue_size == resolved.config.batching.max_queue_size
     assert engine.core.eos_token_ids  # read from config.json / the tokenizer
+    assert engine.model_dtype == ("bf16" if backend == "neuron-nxdi" else None)
 
 
 def test_one_table_of_backend_requests_feeds_config_cli_and_dispatch() -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.engine_replay import replay
-from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
+from neuron_lmi.backends.cpu.engine import build_cpu_engine_core
 from neuron_lmi.bench.workload import TokenCount, Workload
+from tests.conftest import cpu_options
 
 
 def test_every_request_runs_to_its_length_with_the_batch_kept_full(tiny_llama_dir: Path) -> None:
-    options = CpuEngineOptions(model=str(tiny_llama_dir), max_rolling_batch_size=4, n_positions=64)
+    options = cpu_options(tiny_llama_dir, max_rolling_batch_size=4, n_positions=64)
     core, _ = build_cpu_engine_core(options)
     workload = Workload(TokenCount("fixed", 12), TokenCount("fixed", 9), seed=3)
     result = replay(core, workload, concurrency=4, requests=10)

@@ -6,6 +6,8 @@ import argparse
 
 import pytest
 
+from neuron_lmi.backends.nxdi import backend as nxdi_backend
+from neuron_lmi.backends.nxdi.backend import nxdi_target
 from neuron_lmi.commands import nxdi_target as target
 
 
@@ -23,10 +25,10 @@ def test_anything_else_is_refused(text: str, message: str) -> None:
 
 
 def test_a_compile_runs_the_installed_release(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(target, "installed_version", lambda name: "0.9.0")
-    platform, version, source = target.nxdi_target("trn2", "--platform", None, {})
+    monkeypatch.setattr(nxdi_backend, "installed_version", lambda name: "0.9.0")
+    platform, version, source = nxdi_target("trn2", "--platform", None, {})
     assert (platform.name, version, source) == ("trn2", "0.9.0", "installed")
-    assert target.nxdi_target("inf2", "--platform", "0.8", {})[1:] == ("0.8", "--nxdi-version")  # a review
+    assert nxdi_target("inf2", "--platform", "0.8", {})[1:] == ("0.8", "--nxdi-version")  # a review
     with pytest.raises(ValueError, match=r"--nxdi-version 0\.8: NxD Inference 0\.9\.0 is installed"):
-        target.nxdi_target("inf2", "--platform", "0.8", {}, compiling=True)
-    assert target.nxdi_target("trn2", "--platform", "0.9", {}, compiling=True)[1] == "0.9"
+        nxdi_target("inf2", "--platform", "0.8", {}, compiling=True)
+    assert nxdi_target("trn2", "--platform", "0.9", {}, compiling=True)[1] == "0.9"

@@ -10,7 +10,9 @@ from neuron_lmi.backends.cpu.llm import LLM
 
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_llama_dir: Path) -> LLM:
-    return LLM(str(tiny_llama_dir), max_rolling_batch_size=16, n_positions=256)
+    return LLM(
+        str(tiny_llama_dir), dtype="fp32", enforce_eager=True, max_rolling_batch_size=16, n_positions=256
+    )
 
 
 @pytest.fixture(scope="session")

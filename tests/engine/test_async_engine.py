@@ -9,8 +9,9 @@ import asyncio
 
 import pytest
 
-from neuron_lmi.backends.cpu.engine import CpuEngineOptions, cpu_process_engine, cpu_thread_engine
+from neuron_lmi.backends.cpu.engine import cpu_process_engine, cpu_thread_engine
 from neuron_lmi.engine.types import EngineOverloadedError, FinishReason, InvalidRequestError, SamplingParams
+from tests.conftest import cpu_options
 
 from .conftest import random_prompts
 
@@ -20,9 +21,7 @@ ENGINES = {"thread": cpu_thread_engine, "process": cpu_process_engine}
 @pytest.fixture(params=sorted(ENGINES))
 async def engine(request, tiny_llama_dir):
     # Its own core: the session's sync LLM must never be stepped from two threads.
-    options = CpuEngineOptions(
-        model=str(tiny_llama_dir), max_queue_size=4, max_rolling_batch_size=4, n_positions=256
-    )
+    options = cpu_options(tiny_llama_dir, max_queue_size=4, max_rolling_batch_size=4, n_positions=256)
     eng = ENGINES[request.param](options)
     await eng.start()
     yield eng

@@ -65,7 +65,9 @@ def test_chunked_prefill_is_token_exact_with_whole_prompt_prefill(tiny_llm: LLM,
 
 
 def test_chunked_prefill_respects_the_sliding_window(tiny_mistral_dir: Path) -> None:
-    llm = LLM(str(tiny_mistral_dir), max_rolling_batch_size=4, n_positions=256)
+    llm = LLM(
+        str(tiny_mistral_dir), dtype="fp32", enforce_eager=True, max_rolling_batch_size=4, n_positions=256
+    )
     window = llm.core.runner.model.args.sliding_window
     prompts = random_prompts([3 * window + 5, window - 3], seed=32)
     expected = reference(llm, prompts)

@@ -32,7 +32,7 @@ def test_tiny_mixtral_matches_transformers(tmp_path: Path, variant: str) -> None
     config = hf.config
     assert config.num_key_value_heads < config.num_attention_heads
     prompts = random_prompts([5, 17, 30, 9], seed=len(variant))
-    llm = LLM(str(path), max_rolling_batch_size=4, n_positions=128)
+    llm = LLM(str(path), dtype="fp32", enforce_eager=True, max_rolling_batch_size=4, n_positions=128)
     model = llm.core.runner.model
     assert isinstance(model, MixtralForCausalLM)
     assert model.args.moe is not None and model.args.moe.n_experts == config.num_local_experts

@@ -39,7 +39,9 @@ def test_tiny_mistral_sliding_window_matches_transformers(tiny_mistral_dir: Path
     prompts = random_prompts([6, 25], seed=3)
     # The window must be shorter than the sequence, or it is never exercised.
     assert window < min(len(p) for p in prompts) + GREEDY.max_new_tokens
-    llm = LLM(str(tiny_mistral_dir), max_rolling_batch_size=4, n_positions=256)
+    llm = LLM(
+        str(tiny_mistral_dir), dtype="fp32", enforce_eager=True, max_rolling_batch_size=4, n_positions=256
+    )
     assert llm.core.runner.model.args.sliding_window == window
     assert_parity(llm, hf, prompts, GREEDY)
 
@@ -72,7 +74,7 @@ def test_rope_scaling_types_match_transformers(tmp_path: Path, rope_scaling: dic
         rope_theta=500.0,
     )
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    llm = LLM(str(path), max_rolling_batch_size=2, n_positions=128)
+    llm = LLM(str(path), dtype="fp32", enforce_eager=True, max_rolling_batch_size=2, n_positions=128)
     assert llm.core.runner.model.args.rope.kind == rope_scaling["rope_type"]
     assert_parity(llm, hf, random_prompts([20], seed=4), GREEDY)
 
@@ -84,7 +86,7 @@ def test_smollm2_real_weights_match_transformers(smollm2_gguf: Path) -> None:
     hf = AutoModelForCausalLM.from_pretrained(
         str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
     ).eval()
-    llm = LLM("smollm2", max_rolling_batch_size=8, n_positions=512)
+    llm = LLM("smollm2", dtype="fp32", enforce_eager=True, max_rolling_batch_size=8, n_positions=512)
     texts = [
         "The capital of France is",
         "def fibonacci(n):",

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from neuron_lmi.backends.cpu.engine import CpuEngineOptions, cpu_process_engine
+from neuron_lmi.backends.cpu.engine import cpu_process_engine
 from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.engine.process_front import RESTART_RETRY_AFTER_S, ProcessEngine
 from neuron_lmi.engine.types import (
@@ -20,15 +21,14 @@ from neuron_lmi.engine.types import (
     SamplingParams,
     TokenEvent,
 )
+from tests.conftest import cpu_options
 
 from .conftest import random_prompts
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: Path) -> Iterator[ProcessEngine]:
-    eng = cpu_process_engine(
-        CpuEngineOptions(model=str(tiny_llama_dir), max_rolling_batch_size=4, n_positions=256)
-    )
+    eng = cpu_process_engine(cpu_options(tiny_llama_dir, max_rolling_batch_size=4, n_positions=256))
     yield eng
     asyncio.run(eng.stop(grace_s=1.0))
 
@@ -100,8 +100,9 @@ async def test_host_time_per_step_is_reported(engine: ProcessEngine) -> None:
 
 
 async def test_a_dead_engine_process_ends_every_stream_and_is_reported(tiny_llama_dir: Path) -> None:
+    # SERVING_FAIL_FAST: no restart.
     engine = cpu_process_engine(
-        CpuEngineOptions(model=str(tiny_llama_dir), max_rolling_batch_size=2, n_positions=256, max_restarts=0)
+        cpu_options(tiny_llama_dir, max_rolling_batch_size=2, n_positions=256, fail_fast=True)
     )
     deaths: list[BaseException] = []
     engine.on_death.append(deaths.append)
@@ -129,9 +130,8 @@ async def _alive_within(engine: ProcessEngine, timeout_s: float) -> bool:
 
 
 async def test_a_dead_engine_process_is_restarted_a_bounded_number_of_times(tiny_llama_dir: Path) -> None:
-    engine = cpu_process_engine(
-        CpuEngineOptions(model=str(tiny_llama_dir), max_rolling_batch_size=2, n_positions=256, max_restarts=1)
-    )
+    options = cpu_options(tiny_llama_dir, max_rolling_batch_size=2, n_positions=256)
+    engine = cpu_process_engine(replace(options, max_restarts=1))
     deaths: list[BaseException] = []
     engine.on_death.append(deaths.append)
     await engine.start()
@@ -166,4 +166,4 @@ async def test_a_dead_engine_process_is_restarted_a_bounded_number_of_times(tiny
 
 def test_a_model_that_cannot_load_fails_the_constructor(tmp_path: Path) -> None:
     with pytest.raises((FileNotFoundError, ValueError, OSError)):
-        cpu_process_engine(CpuEngineOptions(model=str(tmp_path / "no-such-model"), max_rolling_batch_size=1))
+        cpu_process_engine(cpu_options(tmp_path / "no-such-model", max_rolling_batch_size=1))

@@ -1,13 +1,15 @@
 """vLLM engine arguments from LMI configuration, the LMI-on-vLLM defaults, and vLLM's refusals.
 
-Runs without vLLM: ``FIELDS`` stands in for ``AsyncEngineArgs``' annotations (the vLLM tier checks
-the same keys against the real dataclass, ``test_vllm_startup.py``).
+The adapter reads the resolved configuration only: the loader reads serving.properties and the
+environment once. Runs without vLLM: ``FIELDS`` stands in for ``AsyncEngineArgs``' annotations (the
+vLLM tier checks the same keys against the real dataclass, ``test_vllm_startup.py``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from types import SimpleNamespace as NS
 from typing import Any, Literal
@@ -15,7 +17,6 @@ from typing import Any, Literal
 import pytest
 
 from gpu_fallback.config import (
-    DEFAULT_MAX_ROLLING_BATCH_SIZE,
     SPAWN_VAR,
     engine_args_kwargs,
     use_spawn,
@@ -24,6 +25,8 @@ from gpu_fallback.config import (
 )
 from gpu_fallback.mapping import refusal, sampling_kwargs
 from neuron_lmi.config import ConfigError, format_config, load_config
+from neuron_lmi.config.options import VLLM_DEFAULT_MAX_ROLLING_BATCH_SIZE
+from neuron_lmi.config.vllm_keys import VLLM_RELEASED_FIELDS, backend_option_origins
 from neuron_lmi.engine.types import EngineOverloadedError, InvalidRequestError, SamplingParams
 
 # A few AsyncEngineArgs fields with their vLLM 0.32 annotations.
@@ -43,6 +46,13 @@ FIELDS: dict[str, Any] = {
 }
 
 
+def engine_options(props: dict[str, str], env: dict[str, str] | None = None):
+    """What the loader keeps for vLLM from ``props`` (as read from serving.properties:/x) and
+    ``env``, split by the adapter."""
+    origins = backend_option_origins(props, "serving.properties:/x", env or {}, VLLM_RELEASED_FIELDS)
+    return vllm_engine_options(origins, FIELDS)
+
+
 def test_engine_arguments_pass_through_typed() -> None:
     props = {
         "option.enable_prefix_caching": "true",
@@ -51,16 +61,16 @@ def test_engine_arguments_pass_through_typed() -> None:
         "option.kv_cache_dtype": "fp8",
         "option.speculative_config": '{"method": "ngram", "num_speculative_tokens": 4}',
         "option.max_lora_rank": "16",
-        "option.chat_template": "{{ x }}",
+        "option.chat_template": "{{ x }}",  # the shared table's keys: typed by the loader
         "option.entryPoint": "djl_python.huggingface",
-        "option.model_id": "/m",  # the shared table's key: not this function's business
+        "option.model_id": "/m",
     }
     env = {
         "OPTION_CPU_OFFLOAD_GB": "2.5",
         "OPTION_ENABLE_PREFIX_CACHING": "false",
         "OPTION_TOKENIZER_MODE": "hf",
     }
-    out = vllm_engine_options(props, env, FIELDS, "serving.properties:/x")
+    out = engine_options(props, env)
     assert out.engine_args == {
         "enable_prefix_caching": True,  # serving.properties wins over the environment, as in LMI
         "max_num_batched_tokens": 8192,  # LMI's alias
@@ -72,13 +82,12 @@ def test_engine_arguments_pass_through_typed() -> None:
         "tokenizer_mode": "hf",
     }
     assert out.sources["cpu_offload_gb"] == "OPTION_CPU_OFFLOAD_GB (from env:OPTION_CPU_OFFLOAD_GB)"
-    assert out.lmi == {"chat_template": "{{ x }}"}
     assert out.unknown == {"option.entryPoint": "serving.properties:/x"}
 
 
 def test_vllm_name_wins_over_lmi_alias() -> None:
     props = {"option.quantize": "awq", "option.quantization": "gptq"}
-    assert vllm_engine_options(props, {}, FIELDS).engine_args == {"quantization": "gptq"}
+    assert engine_options(props).engine_args == {"quantization": "gptq"}
 
 
 @pytest.mark.parametrize(
@@ -94,7 +103,7 @@ def test_vllm_name_wins_over_lmi_alias() -> None:
 )
 def test_bad_engine_argument_is_a_startup_error_naming_the_key(key, value, message) -> None:
     with pytest.raises(ConfigError, match=message) as info:
-        vllm_engine_options({key: value}, {}, FIELDS, "serving.properties:/x")
+        engine_options({key: value})
     assert info.value.key == key and info.value.source == "serving.properties:/x"
 
 
@@ -131,6 +140,10 @@ def test_loader_passes_option_keys_to_vllm_instead_of_ignoring_them(tmp_path, ca
     # Without vLLM asked for, they are reported as before.
     cpu = load_config({}, None, {"SM_MODEL_DIR": str(tmp_path / "none"), "OPTION_ENABLE_PREFIX_CACHING": "1"})
     assert cpu.ignored_keys == ("OPTION_ENABLE_PREFIX_CACHING",) and not cpu.backend_options
+    # LMI's lmi-dist selects vLLM here (dispatch's table), so its keys are vLLM's too.
+    props.write_text("option.rolling_batch=lmi-dist\noption.enable_prefix_caching=true\n")
+    lmi_dist = load_config({}, props, {"SM_MODEL_DIR": str(tmp_path / "none")})
+    assert set(lmi_dist.backend_options) == {"enable_prefix_caching"}
 
 
 def test_print_config_lists_vllm_engine_arguments(tmp_path, monkeypatch, capsys) -> None:
@@ -158,8 +171,8 @@ def test_defaults_follow_lmi_on_vllm(tmp_path, caplog) -> None:
     resolved = load_config({}, props, {"SM_MODEL_DIR": str(tmp_path / "none")})
     assert resolved.config.batching.n_positions == 4096  # the loader's Neuron default for a local folder
     with caplog.at_level(logging.WARNING, logger="gpu_fallback.config"):
-        config = vllm_config_from_resolved(resolved, {}, str(model), "m", tp_degree=1, fields=FIELDS)
-    assert config.max_rolling_batch_size == DEFAULT_MAX_ROLLING_BATCH_SIZE == 256
+        config = vllm_config_from_resolved(resolved, str(model), "m", tp_degree=1, fields=FIELDS)
+    assert config.max_rolling_batch_size == VLLM_DEFAULT_MAX_ROLLING_BATCH_SIZE == 256
     assert config.tensor_parallel_degree == "max"  # LMI: every visible GPU unless set
     assert config.n_positions is None  # vLLM takes the model's own 16384, not min(16384, 4096)
     assert config.gpu_memory_utilization == 0.85 and config.dtype == "auto"
@@ -177,11 +190,94 @@ def test_defaults_follow_lmi_on_vllm(tmp_path, caplog) -> None:
         props,
         {"SM_MODEL_DIR": str(tmp_path / "none"), "SM_NUM_GPUS": "4"},
     )
-    config = vllm_config_from_resolved(explicit, {}, str(model), "m", tp_degree=2, fields=FIELDS)
+    config = vllm_config_from_resolved(explicit, str(model), "m", tp_degree=2, fields=FIELDS)
     assert (config.tensor_parallel_degree, config.max_rolling_batch_size, config.n_positions) == (2, 8, 1024)
     from_sm = load_config({}, props, {"SM_MODEL_DIR": str(tmp_path / "none"), "SM_NUM_GPUS": "4"})
-    config = vllm_config_from_resolved(from_sm, {}, str(model), "m", tp_degree=4, fields=FIELDS)
+    config = vllm_config_from_resolved(from_sm, str(model), "m", tp_degree=4, fields=FIELDS)
     assert config.tensor_parallel_degree == 4  # SageMaker's GPU count
+
+
+def test_the_adapter_reads_the_resolved_configuration_not_the_file(tmp_path, caplog) -> None:
+    """Everything comes from what the loader read once: the file is gone when the adapter runs."""
+    model = _model_dir(tmp_path)
+    props = tmp_path / "serving.properties"
+    props.write_text(
+        f"option.model_id={model}\noption.rolling_batch=vllm\noption.enable_prefix_caching=true\n"
+        "option.max_model_len=2048\noption.gpu_memory_utilization=0.7\noption.chat_template={{ x }}\n"
+        "option.seed=7\noption.served_model_name=chat\noption.enforce_eager=true\noption.quantize=awq\n"
+        "option.max_rolling_batch_prefill_tokens=512\noption.bogus_key=1\n"
+    )
+    env = {"SM_MODEL_DIR": str(tmp_path / "none"), "OPTION_KV_CACHE_DTYPE": "fp8", "OPTION_DTYPE": "bf16"}
+    resolved = load_config({}, props, env)
+    props.unlink()
+    with caplog.at_level(logging.INFO, logger="gpu_fallback.config"):
+        config = vllm_config_from_resolved(resolved, str(model), "m", tp_degree=1, fields=FIELDS)
+    assert config.n_positions == 2048 and resolved.keys["n_positions"] == "option.max_model_len"
+    assert (config.gpu_memory_utilization, config.chat_template, config.seed) == (0.7, "{{ x }}", 7)
+    assert config.served_model_name == "chat" and config.dtype == "bf16" and config.enforce_eager is True
+    assert config.extra_engine_args == {
+        "enable_prefix_caching": True,
+        "kv_cache_dtype": "fp8",
+        "quantization": "awq",
+        "max_num_batched_tokens": 512,
+    }
+    logged = "kv_cache_dtype='fp8' from OPTION_KV_CACHE_DTYPE (from env:OPTION_KV_CACHE_DTYPE)"
+    assert f"vLLM engine argument {logged}" in caplog.text
+    assert "ignoring configuration keys that are not vLLM engine arguments: option.bogus_key" in caplog.text
+
+
+def test_vllm_chosen_by_dispatch_alone_still_gets_its_engine_arguments(tmp_path, caplog) -> None:
+    """``auto`` on a CUDA host: the loader did not know vLLM would serve, reported the keys as
+    ignored, and kept them for vLLM all the same; the adapter does not report them twice."""
+    model = _model_dir(tmp_path)
+    props = tmp_path / "serving.properties"
+    props.write_text("option.enable_prefix_caching=true\noption.enforce_eager=true\noption.entryPoint=x\n")
+    with caplog.at_level(logging.WARNING):
+        resolved = load_config({"model_id": str(model)}, props, {"SM_MODEL_DIR": str(tmp_path / "none")})
+    assert not resolved.backend_options and "option.enable_prefix_caching" in resolved.ignored
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gpu_fallback.config"):
+        config = vllm_config_from_resolved(resolved, str(model), "m", tp_degree=1, fields=FIELDS)
+    assert config.extra_engine_args == {"enable_prefix_caching": True} and config.enforce_eager is True
+    assert caplog.text == ""
+
+
+def test_max_model_len_is_lmis_vllm_name_for_n_positions(tmp_path) -> None:
+    env = {"SM_MODEL_DIR": str(tmp_path / "none")}
+    props = tmp_path / "serving.properties"
+    props.write_text("option.max_model_len=2048\noption.n_positions=1024\n")
+    assert load_config({}, props, env).config.batching.n_positions == 1024  # the field's own key first
+    props.write_text("option.max_model_len=2048\n")
+    assert load_config({"n_positions": 512}, props, env).config.batching.n_positions == 512  # CLI wins
+    from_env = load_config({}, None, {**env, "OPTION_MAX_MODEL_LEN": "3000"})
+    assert from_env.config.batching.n_positions == 3000
+    assert from_env.sources["n_positions"] == "env:OPTION_MAX_MODEL_LEN"
+    props.write_text("option.max_model_len=lots\n")
+    with pytest.raises(ConfigError, match=re.escape("option.max_model_len='lots'")):
+        load_config({}, props, env)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("option.gpu_memory_utilization", "1.5"), ("option.seed", "x"), ("option.enforce_eager", "maybe")],
+)
+def test_vllm_settings_are_typed_by_the_loader(tmp_path, key, value) -> None:
+    props = tmp_path / "serving.properties"
+    props.write_text(f"option.rolling_batch=vllm\n{key}={value}\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{key}='{value}'")) as info:
+        resolved = load_config({}, props, {"SM_MODEL_DIR": str(tmp_path / "none")})
+        vllm_config_from_resolved(resolved, "/m", "m", tp_degree=1, fields=FIELDS)
+    assert info.value.source == f"serving.properties:{props}"
+
+
+def test_enforce_eager_from_the_command_line_reaches_vllm(tmp_path) -> None:
+    """``--enforce-eager`` with ``--backend vllm``: vLLM's own switch, not lost with the shared field."""
+    env = {"SM_MODEL_DIR": str(tmp_path / "none")}
+    resolved = load_config({"backend": "vllm", "enforce_eager": True}, None, env)
+    assert "vllm engine argument: --enforce-eager=True (from cli)" in format_config(resolved)
+    assert vllm_config_from_resolved(resolved, "/m", "m", tp_degree=1, fields=FIELDS).enforce_eager is True
+    plain = load_config({"backend": "vllm"}, None, env)
+    assert vllm_config_from_resolved(plain, "/m", "m", tp_degree=1, fields=FIELDS).enforce_eager is False
 
 
 def test_spawn_is_set_unless_the_user_chose() -> None:

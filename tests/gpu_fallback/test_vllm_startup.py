@@ -78,7 +78,7 @@ options = {
     "OPTION_DTYPE": "fp32",
 }
 resolved = load_config({"model_id": model, "backend": "vllm"}, None, options)
-config = vllm_config_from_resolved(resolved, options, model, "smollm2", tp_degree=1)
+config = vllm_config_from_resolved(resolved, model, "smollm2", tp_degree=1)
 record["n_positions_configured"] = config.n_positions
 record["loader_n_positions"] = resolved.config.batching.n_positions
 

@@ -128,7 +128,7 @@ def test_tiny_gemma3_matches_transformers(tiny_dirs: dict[str, Path], variant: s
     config = transformers.AutoConfig.from_pretrained(str(path))
     hf_cls = getattr(transformers, config.architectures[0])
     hf = hf_cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
-    llm = LLM(str(path), max_rolling_batch_size=4, n_positions=128)
+    llm = LLM(str(path), dtype="fp32", enforce_eager=True, max_rolling_batch_size=4, n_positions=128)
     model = llm.core.runner.model
     assert isinstance(model, Gemma3ForCausalLM) and len(model.attention_kinds) == 2
     prompts = random_prompts([5, 17, 30, 9], seed=len(variant))
@@ -168,13 +168,14 @@ def test_engine_runs_gemma3_in_bf16_and_int8_eagerly_where_no_graph_compiles(
     tiny_dirs: dict[str, Path],
 ) -> None:
     """Gemma's layers are not the plain DecoderLayer the compiled graphs trace: the engine asked for
-    them stays eager (``open_compiled_graphs`` logs why) and still serves."""
+    them stays eager (``CpuBackend.plan_for`` logs why) and still serves."""
     path = tiny_dirs["gemma3-vision-language"]
-    llm = LLM(str(path), dtype="bf16", max_rolling_batch_size=2, n_positions=64)
+    llm = LLM(str(path), dtype="bf16", max_rolling_batch_size=2, n_positions=64)  # graphs asked for
     reason = compiled_decode.decode_unsupported(llm.core.runner.model, 2, 64)
     assert reason is not None and "Gemma" in reason
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    for engine in (llm, LLM(str(path), quantize="int8", max_rolling_batch_size=2, n_positions=64)):
+    int8 = LLM(str(path), dtype="fp32", quantize="int8", max_rolling_batch_size=2, n_positions=64)
+    for engine in (llm, int8):
         results = engine.generate(random_prompts([7, 12], seed=9), params)
         assert [len(r.token_ids) for r in results] == [6, 6]
         assert all(torch.isfinite(torch.tensor(r.logprobs)).all() for r in results)

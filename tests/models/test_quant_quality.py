@@ -112,7 +112,14 @@ def test_tensor_parallel_then_quantize(tiny_llama_dir: Path) -> None:
 
 
 def test_quantized_engine_generates_and_frees_rows(tiny_llama_dir: Path) -> None:
-    llm = LLM(str(tiny_llama_dir), quantize="int8", max_rolling_batch_size=4, n_positions=128)
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="fp32",
+        enforce_eager=True,
+        quantize="int8",
+        max_rolling_batch_size=4,
+        n_positions=128,
+    )
     prompts = _tiny_prompts()
     results = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert [len(r.token_ids) for r in results] == [8] * len(prompts)
@@ -122,8 +129,15 @@ def test_quantized_engine_generates_and_frees_rows(tiny_llama_dir: Path) -> None
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_smollm2_quantized_quality(method: str) -> None:
-    ref = LLM("smollm2", max_rolling_batch_size=1, n_positions=256)
-    llm = LLM("smollm2", quantize=method, max_rolling_batch_size=1, n_positions=256)
+    ref = LLM("smollm2", dtype="fp32", enforce_eager=True, max_rolling_batch_size=1, n_positions=256)
+    llm = LLM(
+        "smollm2",
+        dtype="fp32",
+        enforce_eager=True,
+        quantize=method,
+        max_rolling_batch_size=1,
+        n_positions=256,
+    )
     model = llm.core.runner.model
     if method == "int4":  # the file's Q4_1 codes, kept: 4-bit layers, Q8_0 embedding as an int8 head
         assert isinstance(model.layers[0].wqkv, Int4Linear) and isinstance(model.lm_head, Int8Linear)

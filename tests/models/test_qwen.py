@@ -165,7 +165,7 @@ def test_tiny_qwen_matches_transformers(tiny_dirs: dict[str, Path], variant: str
     path = tiny_dirs[variant]
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     assert type(hf).__name__ == hf.config.architectures[0]
-    llm = LLM(str(path), max_rolling_batch_size=4, n_positions=128)
+    llm = LLM(str(path), dtype="fp32", enforce_eager=True, max_rolling_batch_size=4, n_positions=128)
     model = llm.core.runner.model
     assert type(model) is ARCHITECTURES[hf.config.architectures[0]]
     prompts = random_prompts([5, 17, 30, 9], seed=len(variant))
@@ -203,7 +203,12 @@ def test_engine_runs_qwen3_moe_in_bf16_and_int4(
     tiny_dirs: dict[str, Path], dtype: str, quantize: str | None
 ) -> None:
     llm = LLM(
-        str(tiny_dirs["qwen3-moe"]), dtype=dtype, quantize=quantize, max_rolling_batch_size=2, n_positions=64
+        str(tiny_dirs["qwen3-moe"]),
+        enforce_eager=True,
+        dtype=dtype,
+        quantize=quantize,
+        max_rolling_batch_size=2,
+        n_positions=64,
     )
     results = llm.generate(random_prompts([7, 12], seed=9), SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert [len(r.token_ids) for r in results] == [6, 6]

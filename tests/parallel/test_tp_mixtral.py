@@ -87,8 +87,8 @@ def test_llm_serves_mixtral_at_tp2_like_tp1(mixtral_dirs: dict[str, Path]) -> No
     outputs = []
     for tp in (1, 2):
         llm = LLM(
-            str(mixtral_dirs["8-experts-window-6"]), max_rolling_batch_size=4, n_positions=64,
-            tensor_parallel_degree=tp,
+            str(mixtral_dirs["8-experts-window-6"]), dtype="fp32", enforce_eager=True,
+            max_rolling_batch_size=4, n_positions=64, tensor_parallel_degree=tp,
         )  # fmt: skip
         outputs.append([c.token_ids for c in llm.generate(prompts, params)])
     assert outputs[1] == outputs[0]

@@ -172,7 +172,7 @@ def test_llm_with_tensor_parallel_degree_matches_tp1(tiny_llama_dir: Path) -> No
     outputs = []
     for tp, gqa in ((1, None), (2, "shard-over-batch"), (4, "replicated-heads")):
         llm = LLM(
-            str(tiny_llama_dir), max_rolling_batch_size=4, n_positions=64,
+            str(tiny_llama_dir), dtype="fp32", enforce_eager=True, max_rolling_batch_size=4, n_positions=64,
             tensor_parallel_degree=tp, group_query_attention=gqa,
         )  # fmt: skip
         outputs.append([c.token_ids for c in llm.generate(prompts, params)])

@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import cpu_options
+
 API_KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 STARTUP_TIMEOUT_S = 180.0
@@ -153,10 +155,9 @@ def tool_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 @pytest.fixture(scope="session")
 def direct_engine(tiny_llama_dir: Path):
     """The same model in-process, for greedy parity with the server (same options as ``tiny_server``)."""
-    from neuron_lmi.backends.cpu.engine import CpuEngineOptions, cpu_thread_engine
+    from neuron_lmi.backends.cpu.engine import cpu_thread_engine
 
-    options = CpuEngineOptions(model=str(tiny_llama_dir), max_rolling_batch_size=2, n_positions=256)
-    return cpu_thread_engine(options)
+    return cpu_thread_engine(cpu_options(tiny_llama_dir, max_rolling_batch_size=2, n_positions=256))
 
 
 def direct_greedy(engine, prompt: str | list[int], max_new_tokens: int) -> tuple[str, list[int]]:

@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import cpu_options
 from tests.server.conftest import API_KEY, ServerProcess, direct_greedy, start_server
 
 pytestmark = pytest.mark.slow
@@ -24,11 +25,9 @@ def smol_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
 
 @pytest.fixture(scope="module")
 def smol_engine():
-    from neuron_lmi.backends.cpu.engine import CpuEngineOptions, cpu_thread_engine
+    from neuron_lmi.backends.cpu.engine import cpu_thread_engine
 
-    return cpu_thread_engine(
-        CpuEngineOptions(model="smollm2", max_rolling_batch_size=1, n_positions=512)
-    )
+    return cpu_thread_engine(cpu_options("smollm2", max_rolling_batch_size=1, n_positions=512))
 
 
 def test_smollm2_chat_and_invocations_match_engine(smol_server: ServerProcess, smol_engine) -> None:

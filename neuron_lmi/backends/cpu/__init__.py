@@ -1,10 +1,12 @@
 """The CPU backend (``cpu``): our torch models behind the rolling-batch engine, eager or compiled.
 
-* ``build``: the registry's builder (``neuron-lmi serve``): resolved configuration -> ``CpuEngineOptions``
-  -> the engine in its own process;
+* ``backend``: the backend object the registry holds: ``plan`` (the model as served and the graphs
+  it runs, one compile-cache unit per package) -> ``compile`` -> ``load`` (the runner, complete);
+  ``engine`` (``neuron-lmi serve``): resolved configuration -> ``CpuEngineOptions`` -> the engine in
+  its own process, which walks that path;
 * ``engine``: ``CpuEngineOptions`` (the CPU engine's view of the configuration, and the Python API's
   options) and the assembly of an ``EngineCore`` from them: checkpoint, model, tensor parallelism,
-  quantization, runner, compiled graphs;
+  quantization;
 * ``runner``: ``CpuRunner``, the eager runner (buckets, padding, prompt packing) that also runs the
   compiled step and extend when loaded; ``buckets``: its shape policy;
 * ``compiled_decode``, ``compiled_extend``: the step and extend graphs with frozen weights, compiled

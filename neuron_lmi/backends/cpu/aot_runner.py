@@ -8,22 +8,19 @@ Same contract, bucketing and ``cache_api.KVCache`` as ``CpuRunner``; only the ke
 * decode: the graph of the smallest token-generation bucket covering every stepping row runs all
   ``n_rows`` rows at once; rows not in the step are padding whose cache the graph leaves unchanged
   (see ``graphs.py``), and their logits are dropped.
+
+The graphs come in loaded (``backends.cpu.backend`` compiles them on a cache miss, above the runner).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from cache_api import KVCache, RowTable
-from compile_cache import CompileCache, Entry, normalize_dtype
-from neuron_lmi.backends.common import cache_for
-from neuron_lmi.backends.cpu.aot import CompiledGraphs, CpuPlan, compile_cpu_entry, cpu_key_inputs
+from neuron_lmi.backends.cpu.aot import CompiledGraphs
 from neuron_lmi.backends.cpu.buckets import pick_bucket
 from neuron_lmi.backends.cpu.graphs import padded_decode_inputs
 from neuron_lmi.models.llama import LlamaForCausalLM
@@ -98,69 +95,3 @@ class CompiledCpuRunner(ForwardByKind):
         step, step_pos, active, index = padded_decode_inputs(self.plan.n_rows, rows, tokens, positions)
         (out,) = self.graphs.decode[attn_len]([step, step_pos, active, self.cache.k, self.cache.v])
         return out[index]
-
-
-@dataclass(frozen=True)
-class OpenedRunner:
-    """What ``open_compiled_runner`` did: the runner, its cache entry, and whether it compiled."""
-
-    runner: CompiledCpuRunner
-    entry: Entry
-    compiled: bool
-    seconds: float
-
-
-def open_compiled_runner(
-    model: LlamaForCausalLM,
-    weights_path: str | Path,
-    plan: CpuPlan,
-    cache: CompileCache,
-    no_compile: bool = False,
-    progress: bool = False,
-) -> OpenedRunner:
-    """Find (or compile, unless ``no_compile``) the entry for ``plan`` and load it as a runner.
-
-    A hit loads without compiling; a damaged entry is set aside by the cache and recompiled.
-    Logs hit or miss with the key. Raises ``CacheMissError``/``CorruptEntryError`` when
-    ``no_compile`` and nothing usable is stored.
-    """
-    started = time.monotonic()
-    inputs = cpu_key_inputs(model, weights_path, plan)
-    ran: list[bool] = []
-
-    def compile_fn(out: Path) -> None:
-        ran.append(True)
-        log.info("compile cache miss key=%s: compiling %d graphs", inputs.key(), len(plan.graphs()))
-        compile_cpu_entry(model, plan, out, progress=progress)
-
-    entry = cache.get_or_compile(inputs, compile_fn, no_compile=no_compile)
-    if not ran:
-        log.info("compile cache hit key=%s path=%s", entry.key, entry.path)
-    runner = CompiledCpuRunner(model, CompiledGraphs(model, entry.path, plan))
-    return OpenedRunner(runner, entry, bool(ran), time.monotonic() - started)
-
-
-def compiled_runner_for_engine(
-    model: LlamaForCausalLM,
-    weights_path: str | Path,
-    n_rows: int,
-    n_positions: int,
-    dtype: str,
-    *,
-    context_length_estimate: Sequence[int] | None = None,
-    compiled_graph_path: str | None = None,
-    no_compile: bool = False,
-) -> CompiledCpuRunner:
-    """What ``build_cpu_engine_core`` calls when ``CpuEngineOptions.compiled`` is set: the same plan
-    and key as ``neuron-lmi compile --target cpu`` with the same settings."""
-    estimate = tuple(context_length_estimate) if context_length_estimate else None
-    plan = CpuPlan.default(n_rows, n_positions, normalize_dtype(dtype), estimate)
-    opened = open_compiled_runner(model, weights_path, plan, cache_for(compiled_graph_path), no_compile)
-    log.info(
-        "compiled CPU graphs: key=%s %s in %.1fs (%s)",
-        opened.entry.key,
-        "compiled" if opened.compiled else "loaded",
-        opened.seconds,
-        opened.entry.path,
-    )
-    return opened.runner

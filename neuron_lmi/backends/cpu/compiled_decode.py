@@ -1,6 +1,6 @@
 """The CPU engine's compiled step: one AOTInductor package with the weights frozen in; and what it
 shares with the compiled extend (``compiled_extend``): ``FrozenPackage``, the cache key
-(``decode_key_inputs``), ``open_frozen_entry`` and ``export_package``.
+(``decode_key_inputs``) and ``export_package``. ``backend.CpuBackend`` compiles and opens them.
 
 ``CpuRunner`` copies rows eagerly; its decode steps, and the steps that mix decodes with prompt
 chunks, run this package when one is loaded (``compiled_extend``'s package runs the chunks this one
@@ -16,7 +16,7 @@ which is what makes it pay (docs/measurements.md). The dense GEMMs run where
 ``packed_gemm_library`` says: in fp32 a packed GEMM through ``neuron_lmi::mkl_linear`` on Intel CPUs
 or ``neuron_lmi::onednn_linear`` on others (``models.packed_linear``); in bf16 oneDNN's op on those
 other hosts, Inductor's own CPU templates on Intel (``BF16_DECODE_CONFIGS``). Eager remains the path of
-the parity tests (``CpuEngineOptions.compile_graphs=False``, ``option.enforce_eager``).
+the parity tests (``option.enforce_eager``).
 
 With ``option.quantize`` the weights stay quantized in the decode graph: it calls torch's packed
 int8/int4 kernels (``aten._weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``, which Inductor
@@ -34,9 +34,7 @@ the other way.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from types import MappingProxyType
@@ -45,9 +43,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from compile_cache import CompileCache
 from compile_cache.key import CacheKeyInputs, fingerprint_weights
-from compile_cache.store import Entry
 from neuron_lmi.backends.cpu.aot import DTYPE_NAMES, architecture_description, cpu_capability, load_package
 from neuron_lmi.backends.cpu.graphs import StepGraph, avx512_host, check_compilable, decode_attention_form
 from neuron_lmi.engine.scheduler import DEFAULT_STEP_TOKENS
@@ -353,57 +349,3 @@ class CompiledDecode(FrozenPackage):
         (out,) = self._run([*inputs, torch.arange(key_len), k_cache, v_cache])
         self.steps += 1
         return out
-
-
-@dataclass(frozen=True)
-class OpenedPackage:
-    """A frozen package loaded from the compile cache: its entry, and whether this call compiled it."""
-
-    package: FrozenPackage
-    entry: Entry
-    compiled: bool
-
-
-def open_frozen_entry(
-    kind: type[FrozenPackage],
-    model: LlamaForCausalLM,
-    weights_path: str | Path,
-    n_rows: int,
-    n_positions: int,
-    cache: CompileCache,
-    no_compile: bool = False,
-) -> OpenedPackage | None:
-    """``kind``'s package for ``model`` from ``cache``, compiled on a miss (unless ``no_compile``:
-    then ``CacheMissError``). None, with the reason logged, where ``decode_unsupported``."""
-    reason = decode_unsupported(model, n_rows, n_positions)
-    if reason is not None:
-        log.info("compiled %s off: %s; running it eagerly", kind.graph, reason)
-        return None
-    started = time.monotonic()
-    inputs = decode_key_inputs(model, weights_path, n_rows, n_positions, kind.graph)
-    compiled: list[bool] = []
-
-    def compile_fn(out: Path) -> None:
-        compiled.append(True)
-        log.info("compile cache miss key=%s: compiling the %s graph (minutes)", inputs.key(), kind.graph)
-        kind.compile_package(model, n_rows, n_positions, out)
-
-    entry = cache.get_or_compile(inputs, compile_fn, no_compile=no_compile)
-    limit = kind.size_limit(model, n_rows, n_positions)
-    try:
-        package = kind(entry.path / kind.package_file, limit, n_positions)
-    except Exception as exc:  # a package this torch cannot open: the engine runs eagerly, never crashes
-        log.error("compiled %s off: the package of key=%s at %s failed to load (%s); running it eagerly",
-                  kind.graph, entry.key, entry.path, exc)  # fmt: skip
-        return None
-    if isinstance(package, CompiledDecode):
-        package.pair_limit = chunk_pair_limit(model)
-    log.info(
-        "compiled %s: key=%s %s in %.1fs (%s)",
-        kind.graph,
-        entry.key,
-        "compiled" if compiled else "loaded",
-        time.monotonic() - started,
-        entry.path,
-    )
-    return OpenedPackage(package, entry, bool(compiled))

@@ -3,36 +3,31 @@ directory or GGUF file, and the engine fronts around it (``cpu_process_engine``,
 the Python API is ``backends.cpu.llm.LLM``). The fronts live in ``engine`` and know no backend: this
 module builds them, so ``engine`` never imports a backend.
 
-``CpuEngineOptions`` is what the engine is built from. ``serve`` makes it from the resolved
-configuration (``CpuEngineOptions.from_resolved``); the Python API (``LLM``) and the tests build it
-from keywords. Its batching defaults are the configuration's (``config.options``); it departs from
-the configuration only where the library should: fp32 unless told, and eager unless
-``compile_graphs``.
+``CpuEngineOptions`` is what the engine is built from: the resolved configuration's CPU view
+(``CpuEngineOptions.from_resolved``), with no defaults of its own. ``serve``, ``neuron-lmi compile``,
+``neuron-lmi generate`` and the Python API (``LLM``) all resolve it the same way, through
+``config.load_config`` (serving.properties, ``OPTION_*``, their own arguments on top), so the CPU
+engine runs in the host's dtype with its compiled graphs unless a source says otherwise.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Collection
-from dataclasses import dataclass
+import os
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from compile_cache import open_store
-from neuron_lmi.backends.common import eos_ids_for
-from neuron_lmi.backends.cpu.aot_runner import compiled_runner_for_engine
-from neuron_lmi.backends.cpu.compiled_decode import CompiledDecode, extend_graph_needed, open_frozen_entry
-from neuron_lmi.backends.cpu.compiled_extend import CompiledExtend
-from neuron_lmi.backends.cpu.runner import CpuRunner
+from neuron_lmi.backends.backend import load_runner
+from neuron_lmi.backends.common import cache_for, eos_ids_for, fetch
+from neuron_lmi.backends.cpu.backend import CPU_BACKEND
 from neuron_lmi.config.dtypes import DTYPES, canonical_dtype
 from neuron_lmi.config.options import (
     DEFAULT_MAX_PREFILL_TOKENS,
-    DEFAULT_MAX_QUEUE_SIZE,
-    DEFAULT_MAX_ROLLING_BATCH_SIZE,
-    DEFAULT_MODEL,
     default_n_positions,
     default_n_positions_source,
 )
@@ -42,13 +37,10 @@ from neuron_lmi.engine.process_front import DEFAULT_MAX_RESTARTS, ProcessEngine
 from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint, load_tokenizer, resolve_model_path
 from neuron_lmi.models.native import build_in_background, host_cpu_flags
-from neuron_lmi.models.packed import pack_model
 from neuron_lmi.models.quantize import quantize_model
 from neuron_lmi.parallel.tp_model import apply_tensor_parallel
 
 if TYPE_CHECKING:
-    from compile_cache import CompileCache
-    from neuron_lmi.backends.cpu.compiled_decode import OpenedPackage
     from neuron_lmi.config import ResolvedConfig
 
 log = logging.getLogger(__name__)
@@ -75,37 +67,46 @@ def resolve_cpu_dtype(dtype: str | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class CpuEngineOptions:
-    """What the CPU engine is built from; LMI names in comments."""
+    """The CPU engine's frozen view of the resolved configuration: what the engine is built from.
 
-    model: str = DEFAULT_MODEL  # option.model_id (serve: the fetched local path)
-    dtype: str = "fp32"  # option.dtype; "auto": bf16 on CPUs with native bf16, else fp32
-    max_rolling_batch_size: int = DEFAULT_MAX_ROLLING_BATCH_SIZE  # option.max_rolling_batch_size
-    n_positions: int | None = None  # option.n_positions (None: config.default_n_positions of the model)
-    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS  # option.max_prefill_tokens
-    max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE  # SERVING_JOB_QUEUE_SIZE: waiting beyond the free rows
-    tensor_parallel_degree: int = 1  # option.tensor_parallel_degree (logical ranks on CPU)
-    group_query_attention: str | None = None  # option.group_query_attention
-    num_threads: int | None = None
-    # Ahead-of-time compiled graphs (neuron-lmi compile --target cpu): load from the compile cache,
-    # compiling on a miss unless no_compile. compiled_graph_path (option.compiled_graph_path) is the
-    # store's folder or an s3:// remote and implies compiled.
-    compiled: bool = False
-    compiled_graph_path: str | None = None
-    no_compile: bool = False
-    context_length_estimate: tuple[int, ...] | None = None  # option.context_length_estimate
+    It has no defaults of its own. Every field comes from :meth:`from_resolved` (``serve``,
+    ``neuron-lmi compile``, ``generate`` and the Python API ``LLM`` all go through it), so an unset
+    key means the configuration's default (``config.options``) and serve's reading of it. A caller
+    that wants another choice says so through a configuration key (``dtype=fp32``,
+    ``enforce_eager=true``); the three engine switches the configuration does not carry
+    (``compiled``, ``no_compile``, ``pack_weights``) are changed with ``dataclasses.replace``.
+    LMI names in comments.
+    """
+
+    model: str  # option.model_id, fetched: a built-in name, a local directory or .gguf file
+    dtype: str  # option.dtype; unset: this host's (resolve_cpu_dtype)
+    max_rolling_batch_size: int  # option.max_rolling_batch_size
+    n_positions: int | None  # option.n_positions (None: config.default_n_positions of the model)
+    max_prefill_tokens: int  # option.max_prefill_tokens (unset: config.options.DEFAULT_MAX_PREFILL_TOKENS)
+    max_queue_size: int  # SERVING_JOB_QUEUE_SIZE: waiting beyond the free rows
+    tensor_parallel_degree: int  # option.tensor_parallel_degree, resolved (logical ranks on CPU)
+    group_query_attention: str | None  # option.group_query_attention
+    # Ahead-of-time compiled bucket graphs (neuron-lmi compile --target cpu): load from the compile
+    # cache, compiling on a miss unless no_compile. compiled_graph_path (option.compiled_graph_path)
+    # is the store's folder or an s3:// remote and implies compiled; compiled alone (not
+    # configuration: serve runs the buckets only with a path) takes the default store.
+    compiled: bool
+    compiled_graph_path: str | None
+    no_compile: bool  # not configuration: serve compiles on a miss; a test or benchmark refuses one
+    context_length_estimate: tuple[int, ...] | None  # option.context_length_estimate
     # option.quantize: weight-only int8/int4 (neuron_lmi.models.quantize); int4 on a GGUF file runs
     # its Q4_0/Q4_1 codes as they are (Q8_0 ones as int8 per row) instead of expanding them.
-    quantize: str | None = None
-    # bf16 matmul weights pre-packed for oneDNN (neuron_lmi.models.packed); dense weights only.
-    pack_weights: bool = True
+    quantize: str | None
+    # bf16 matmul weights pre-packed for oneDNN (neuron_lmi.models.packed); dense weights only. Not
+    # configuration: serve packs; a benchmark may compare plain tensors.
+    pack_weights: bool
     # Decode, prefill and extend through AOTInductor packages with frozen weights
-    # (compiled_decode, compiled_extend), compiled once into the default compile cache. The
-    # server turns them on unless option.enforce_eager; off here so the library and the parity
-    # tests run eager.
-    compile_graphs: bool = False
+    # (compiled_decode, compiled_extend), compiled once into the default compile cache:
+    # not option.enforce_eager.
+    compile_graphs: bool
     # Engine processes started after one dies (ProcessEngine); 0 with SERVING_FAIL_FAST, where the
     # server exits instead and SageMaker or Kubernetes replaces it.
-    max_restarts: int = DEFAULT_MAX_RESTARTS
+    max_restarts: int
 
     @classmethod
     def from_resolved(
@@ -127,12 +128,24 @@ class CpuEngineOptions:
             max_queue_size=cfg.batching.max_queue_size,
             tensor_parallel_degree=tp_degree,
             group_query_attention=cfg.parallel.group_query_attention,
+            compiled=False,
             compiled_graph_path=cfg.neuron.compiled_graph_path,
+            no_compile=False,
             context_length_estimate=cfg.batching.context_length_estimate,
             quantize=cfg.neuron.quantize,
+            pack_weights=True,
             compile_graphs=not cfg.model.enforce_eager,
             max_restarts=0 if cfg.server.fail_fast else DEFAULT_MAX_RESTARTS,
         )
+
+    @classmethod
+    def from_config(cls, resolved: ResolvedConfig, env: Mapping[str, str] | None = None) -> CpuEngineOptions:
+        """:meth:`from_resolved` as ``serve``'s CPU builder calls it: the model fetched first
+        (built-in, local, ``s3://``, Hub; ``env`` default ``os.environ``) and
+        ``tensor_parallel_degree=max`` as one rank (``dispatch.resolve_tp_degree`` on the CPU)."""
+        env = os.environ if env is None else env
+        degree = resolved.config.parallel.tensor_parallel_degree
+        return cls.from_resolved(resolved, fetch(resolved, env), 1 if degree == "max" else int(degree))
 
     def dtype_name(self) -> str:
         """``dtype`` with ``auto`` resolved for this host; the name the compile cache keys on."""
@@ -163,24 +176,12 @@ def build_cpu_engine_core(
     if options.max_rolling_batch_size <= 0:
         raise ValueError(f"max_rolling_batch_size must be positive, got {options.max_rolling_batch_size}")
     options.validate_quantize()
-    if options.num_threads:
-        torch.set_num_threads(options.num_threads)
-    path = resolve_model_path(options.model)
-    ckpt, model, n_positions = load_cpu_model(options, path)
+    # The backend's one path (plan -> compile on a miss -> load), as neuron-lmi compile walks it.
+    options = replace(options, model=str(resolve_model_path(options.model)))
+    plan = CPU_BACKEND.plan_for(options)
+    runner = load_runner(CPU_BACKEND, plan, cache_for(options.compiled_graph_path), options.no_compile)
+    ckpt, n_positions = plan.checkpoint, plan.n_positions
     tokenizer = load_tokenizer(ckpt)
-    if options.compiled or options.compiled_graph_path:
-        runner = compiled_runner_for_engine(
-            model, path, options.max_rolling_batch_size, n_positions, options.dtype_name(),
-            context_length_estimate=options.context_length_estimate,
-            compiled_graph_path=options.compiled_graph_path, no_compile=options.no_compile,
-        )  # fmt: skip
-    else:
-        runner = CpuRunner(model, options.max_rolling_batch_size, n_positions)
-        if options.compile_graphs:
-            open_compiled_graphs(runner, path, no_compile=options.no_compile)
-        # After the compiled graphs, which trace dense weights; packing is for the eager runner.
-        if options.pack_weights:
-            pack_model(model)
     how = "configured" if options.n_positions else default_n_positions_source(max_positions(ckpt.config))
     log.info(
         "CPU engine: %s (%s), %d rows x %d positions (%s), dtype %s, weights %s, KV cache %.1f MiB",
@@ -253,24 +254,3 @@ def load_cpu_model(options: CpuEngineOptions, path: Path) -> tuple[Any, Any, int
     if options.quantize is not None:
         quantize_model(model, options.quantize)
     return ckpt, model, n_positions
-
-
-def open_compiled_graphs(
-    runner: CpuRunner, path: Path, store: CompileCache | None = None, no_compile: bool = False
-) -> list[OpenedPackage]:
-    """Set ``runner``'s decode and extend packages from ``store`` (default: the compile cache at
-    ``$NEURON_LMI_CACHE_DIR``), compiled on a miss unless ``no_compile``; a graph the model or cache
-    shape has none of stays eager (logged). The extend package only where the step package leaves
-    prompt chunks to it (``extend_graph_needed``). Returns the packages opened (``neuron-lmi compile``
-    reports them)."""
-    shape = (runner.rows.n_rows, runner.n_positions)
-    store = store if store is not None else open_store()
-    decode = open_frozen_entry(CompiledDecode, runner.model, path, *shape, store, no_compile)
-    extend = None
-    if decode is None or extend_graph_needed(runner.model, *shape):
-        extend = open_frozen_entry(CompiledExtend, runner.model, path, *shape, store, no_compile)
-    else:
-        log.info("compiled extend not needed: the step graph runs every prompt chunk")
-    runner.compiled_decode = None if decode is None else decode.package  # type: ignore[assignment]
-    runner.compiled_extend = None if extend is None else extend.package  # type: ignore[assignment]
-    return [opened for opened in (decode, extend) if opened is not None]

@@ -1,16 +1,48 @@
-"""The synchronous Python API: ``LLM(...).generate(prompts, params)``."""
+"""The synchronous Python API: ``LLM(...).generate(prompts, params)``, configured as ``serve`` is.
+
+``LLM(model, **options)`` resolves its configuration through ``config.load_config``, as
+``neuron-lmi serve`` does: the keyword arguments (LMI's names: ``max_rolling_batch_size``,
+``n_positions``, ``dtype``, ``quantize``, ``enforce_eager``, ``tensor_parallel_degree``..., or
+``option.*`` keys) are the highest-precedence source, then ``properties`` (a serving.properties file
+or its folder; unset: the SageMaker model folder's, when present), then ``env`` (default
+``os.environ``: ``OPTION_*``, ``HF_MODEL_ID``...), then the configuration's defaults. As with vLLM's
+``LLM``, the library runs what the server runs: the host's dtype and the compiled graphs unless told
+otherwise (``dtype="fp32"``, ``enforce_eager=True``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from neuron_lmi.backends.cpu.engine import CpuEngineOptions, build_cpu_engine_core
-from neuron_lmi.config.options import DEFAULT_MODEL
+from neuron_lmi.config import load_config
+from neuron_lmi.config.options import ROLLING_BATCH_REQUESTS
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.detokenizer import TextSink, TokenTexts, text_decoder, text_stream
 from neuron_lmi.engine.types import FinishReason, SamplingParams, TokenEvent
+
+if TYPE_CHECKING:
+    from neuron_lmi.config import ResolvedConfig
+
+log = logging.getLogger(__name__)
+
+
+def config_keys(model: str | Path | None, options: Mapping[str, object]) -> dict[str, object]:
+    """Keyword arguments as ``load_config``'s highest-precedence source: ``model`` is
+    ``option.model_id``, and ``dtype="auto"`` counts as unset (the host's dtype, or a lower source's)."""
+    keys = dict(options)
+    if model is not None:
+        keys["model_id"] = str(model)
+    dtype = keys.get("dtype")
+    if isinstance(dtype, str) and dtype.strip().lower() == "auto":
+        keys["dtype"] = None
+    return keys
 
 
 @dataclass(slots=True)
@@ -28,11 +60,38 @@ class Completion:
 
 
 class LLM:
-    """Offline batch generation on the CPU engine; all prompts share the rolling batch."""
+    """Offline batch generation on the CPU engine; all prompts share the rolling batch.
 
-    def __init__(self, model: str = DEFAULT_MODEL, **options: object) -> None:
-        self.options = CpuEngineOptions(model=model, **options)  # type: ignore[arg-type]
-        self.core, self.config = build_cpu_engine_core(self.options)
+    ``options`` is the engine's view of the resolved configuration (``CpuEngineOptions``) and
+    ``config`` the model's own; an unknown keyword or a bad value is a ``ConfigError`` naming it.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        properties: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+        **options: object,
+    ) -> None:
+        env = os.environ if env is None else env
+        self._start(_cpu_view(load_config(config_keys(model, options), properties, env), env))
+
+    @classmethod
+    def from_config(cls, resolved: ResolvedConfig, env: Mapping[str, str] | None = None) -> LLM:
+        """The engine for a configuration already resolved (``neuron-lmi generate``)."""
+        return cls.from_options(_cpu_view(resolved, env))
+
+    @classmethod
+    def from_options(cls, options: CpuEngineOptions) -> LLM:
+        """The engine for options already made (``dataclasses.replace`` of a resolved view)."""
+        llm = cls.__new__(cls)
+        llm._start(options)
+        return llm
+
+    def _start(self, options: CpuEngineOptions) -> None:
+        self.options = options
+        self.core, self.config = build_cpu_engine_core(options)
 
     @classmethod
     def from_core(cls, core: EngineCore) -> LLM:
@@ -89,3 +148,15 @@ def _collector(completion: Completion):
             completion.error = event.error
 
     return sink
+
+
+def _cpu_view(resolved: ResolvedConfig, env: Mapping[str, str] | None) -> CpuEngineOptions:
+    """The CPU engine's options for ``resolved``; a configuration that asks for another backend
+    (``option.backend``, ``option.rolling_batch``) is still run here, with a warning."""
+    cfg = resolved.config
+    asked = cfg.backend.backend
+    if asked == "auto":
+        asked = ROLLING_BATCH_REQUESTS[cfg.batching.rolling_batch]
+    if asked not in ("auto", "cpu"):
+        log.warning("LLM runs the CPU engine: the configuration's backend %r is not used here", asked)
+    return CpuEngineOptions.from_config(resolved, env)

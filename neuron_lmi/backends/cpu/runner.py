@@ -27,9 +27,9 @@ class CpuRunner(ForwardByKind):
     attends over the smallest token-generation bucket that covers every active row. ``extend``
     (when the model supports it) appends chunks to rows that already hold a prefix, in pieces of at
     most the largest context bucket, so a prompt longer than that bucket is prefilled in chunks.
-    ``compiled_decode`` and ``compiled_extend`` (set by ``engine.open_compiled_graphs``, from the
-    modules of the same names) run the decode and extend steps they cover; with either, a prefill
-    is an extend from position 0 (no buckets or packing: the graphs take any length).
+    ``compiled_decode`` and ``compiled_extend`` (loaded by ``backend.CpuBackend.load`` from the
+    modules of the same names, and given here) run the decode and extend steps they cover; with
+    either, a prefill is an extend from position 0 (no buckets or packing: the graphs take any length).
     The rest run the eager model. With the compiled step graph (``compiled_decode``) an ``extend``
     may mix decodes (chunks of one token) with prompt chunks, all in one forward where the graph
     covers them (``mixed_steps``: the engine then sends a whole step as one ``extend``).
@@ -41,6 +41,8 @@ class CpuRunner(ForwardByKind):
         n_rows: int,
         n_positions: int,
         context_buckets: list[int] | None = None,
+        compiled_decode: CompiledDecode | None = None,
+        compiled_extend: CompiledExtend | None = None,
     ) -> None:
         if n_positions > model.n_positions:
             raise ValueError(
@@ -60,20 +62,18 @@ class CpuRunner(ForwardByKind):
             self.context_buckets.append(n_positions)
         self.token_buckets = power_of_two_buckets(n_positions)
         self.chunk_buckets = chunk_buckets(self.context_buckets[-1])
-        self.compiled_decode: CompiledDecode | None = None
-        self.compiled_extend: CompiledExtend | None = None
+        self.compiled_decode = compiled_decode
+        self.compiled_extend = compiled_extend
+        # Fixed here: mixed steps only with the compiled step graph, which runs decodes and prompt
+        # chunks in one forward (elsewhere ``extend`` sends the decodes to ``decode``).
+        mixed = self.supports_extend and compiled_decode is not None
+        self.capabilities = RunnerCapabilities(
+            extend=self.supports_extend, mixed_steps=mixed, prompt_logits=True
+        )
 
     @property
     def rows(self) -> RowTable:
         return self.cache.rows
-
-    @property
-    def capabilities(self) -> RunnerCapabilities:
-        """Mixed steps only with the compiled step graph, which runs decodes and prompt chunks in
-        one forward (elsewhere ``extend`` sends the decodes to ``decode``); read once by the engine,
-        so the compiled graphs are set before it is built."""
-        mixed = self.supports_extend and self.compiled_decode is not None
-        return RunnerCapabilities(extend=self.supports_extend, mixed_steps=mixed, prompt_logits=True)
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         if len(rows) != len(prompts):

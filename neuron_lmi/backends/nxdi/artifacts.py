@@ -1,4 +1,5 @@
-"""NxD Inference artifacts through the compile cache: build the application once, compile, load.
+"""NxD Inference artifacts: the compile-cache key of a plan, and building the application
+(``backend.NxdiBackend`` compiles and loads it).
 
     NxdiPlan --new_application--> NeuronXForCausalLM(model_path, XInferenceConfig(NeuronConfig(**kwargs),
                                                       load_config=load_pretrained_config(model_path)))
@@ -21,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from compile_cache import CacheKeyInputs, CompileCache, Entry, architecture_config, fingerprint_weights
+from compile_cache import CacheKeyInputs, architecture_config, fingerprint_weights
 from neuron_lmi.backends.host import installed_version
 from neuron_lmi.backends.nxdi.plan import CONFIG_MODULE, HF_ADAPTER_MODULE, LIBRARY, NxdiPlan
 
@@ -96,59 +97,12 @@ def new_application(plan: NxdiPlan, quantized_dir: Path | None = None) -> Any:
     def load_config(config: Any) -> None:
         load_hf_config(config)
         # transformers keeps a Mistral's head_dim None when config.json has none (the model derives
-        # it); NxD Inference reads getattr(config, "head_dim", default) and would get None.
-        if getattr(config, "head_dim", None) is None:
+        # it); NxD Inference reads getattr(config, "head_dim", default) and would get None. A
+        # vision-language Gemma 3 keeps both in text_config, which its InferenceConfig reads itself.
+        if getattr(config, "head_dim", None) is None and hasattr(config, "hidden_size"):
             config.head_dim = config.hidden_size // config.num_attention_heads
 
     inference_config = getattr(app_module, plan.application.inference_config)(
         neuron_config, load_config=load_config
     )
     return getattr(app_module, plan.application.application)(plan.model_path, inference_config)
-
-
-def compile_entry(
-    plan: NxdiPlan,
-    model_config: Mapping[str, Any],
-    cache: CompileCache,
-    no_compile: bool = False,
-    compiler_version: str | None = None,
-) -> tuple[Entry, Any | None]:
-    """The cache entry for ``plan``, compiled into it on a miss; returns the entry and the application
-    built to compile it (None on a hit), so a caller that loads reuses it instead of building another."""
-    inputs = nxdi_key_inputs(plan, model_config, compiler_version)
-    built: dict[str, Any] = {}
-
-    def compile_fn(out: Path) -> None:
-        app = new_application(plan, quantized_dir=out / "quantized")
-        if plan.neuron_config.get("quantized"):
-            type(app).save_quantized_state_dict(plan.model_path, app.config)
-        app.compile(str(out))
-        built["app"] = app
-
-    entry = cache.get_or_compile(inputs, compile_fn, no_compile=no_compile)
-    log.info(
-        "NxD Inference artifacts: compile cache entry %s (%s, %s)",
-        entry.key,
-        entry.path,
-        "compiled now" if built else "cache hit",
-    )
-    return entry, built.get("app")
-
-
-def load_or_compile(
-    plan: NxdiPlan,
-    model_config: Mapping[str, Any],
-    cache: CompileCache,
-    no_compile: bool = False,
-    compiler_version: str | None = None,
-) -> Any:
-    """The loaded application for ``plan``: the cache entry when it exists, else compiled into it once.
-
-    On a miss the application compiled in the staging folder is the one loaded from the final entry:
-    the model is built once per start-up, never twice.
-    """
-    entry, app = compile_entry(plan, model_config, cache, no_compile, compiler_version)
-    if app is None:
-        app = new_application(plan, quantized_dir=entry.path / "quantized")
-    app.load(str(entry.path))
-    return app

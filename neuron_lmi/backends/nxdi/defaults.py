@@ -12,10 +12,11 @@
 
 Every keyword stays overridable: ``override_neuron_config`` is merged after all of this.
 
-Fused QKV, as the libraries convert weights (0.8.0 cd3abf3, 0.9.0 4bcdc54): only
-``NeuronLlamaForCausalLM.convert_hf_to_neuron_state_dict`` calls ``convert_state_dict_to_fused_qkv``;
-0.9's ``NeuronMistralForCausalLM`` and both releases' Mixtral keep separate q/k/v weights. A Mistral on
-0.8 runs on the Llama application, so it fuses there and not on 0.9.
+Fused QKV, as the libraries convert weights (0.8.0 cd3abf3, 0.9.0 4bcdc54): the Llama, Qwen2 and
+Qwen3-MoE applications (both releases) and 0.9's Qwen3 and Gemma 3 concatenate q/k/v into ``Wqkv``
+under ``fused_qkv`` (``Application.fuses_qkv``); 0.9's ``NeuronMistralForCausalLM``, 0.8's Qwen3 and
+both releases' Mixtral keep separate q/k/v weights. A Mistral on 0.8 runs on the Llama application, so
+it fuses there and not on 0.9.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from neuron_lmi.backends.nxdi.support import NKI_RISK, Platform
 from neuron_lmi.config.dtypes import canonical_dtype
 
 if TYPE_CHECKING:
+    from neuron_lmi.backends.nxdi.applications import Application
     from neuron_lmi.config.options import ServingConfig
 
 log = logging.getLogger(__name__)
 
 FALLBACK_DTYPE = "bf16"  # NxD Inference's examples and kernels: bf16
-FUSED_QKV_APPLICATIONS = frozenset({"NeuronLlamaForCausalLM"})
 PROFILE_KEY = "option.nxdi_profile"
 SPECIAL_SCALAR = "XLA_HANDLE_SPECIAL_SCALAR"
 
@@ -89,20 +90,20 @@ def resolve_dtype(config: ServingConfig, model_config: Mapping[str, Any]) -> tup
     return FALLBACK_DTYPE, f"default {FALLBACK_DTYPE}: option.dtype unset and config.json names no dtype"
 
 
-def fused_qkv(config: ServingConfig, application: str) -> bool:
+def fused_qkv(config: ServingConfig, application: Application) -> bool:
     """``option.fuse_qkv`` where set, else on exactly where the application fuses the weights."""
     if config.neuron.given("fuse_qkv"):
         return config.neuron.fuse_qkv
-    return application in FUSED_QKV_APPLICATIONS
+    return application.fuses_qkv
 
 
-def check_fused_qkv(kwargs: Mapping[str, Any], application: str, version: str, key: str) -> None:
+def check_fused_qkv(kwargs: Mapping[str, Any], application: Application, version: str, key: str) -> None:
     """Refuse ``fused_qkv`` where the application's weight conversion keeps q/k/v apart: its fused
     projection would find no weights to load."""
-    if kwargs.get("fused_qkv") and application not in FUSED_QKV_APPLICATIONS:
+    if kwargs.get("fused_qkv") and not application.fuses_qkv:
         raise ValueError(
-            f"{key}: NxD Inference {version}'s {application} does not fuse Q/K/V weights when it "
-            "converts the checkpoint (only NeuronLlamaForCausalLM does); leave fused_qkv off"
+            f"{key}: NxD Inference {version}'s {application.application} does not fuse Q/K/V weights "
+            "when it converts the checkpoint; leave fused_qkv off"
         )
 
 

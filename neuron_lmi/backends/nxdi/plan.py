@@ -1,19 +1,23 @@
 """From our configuration to NxD Inference's constructor arguments: one pure mapping, no Neuron import.
 
     ServingConfig + config.json --plan_nxdi--> NxdiPlan
-        .application        NeuronLlamaForCausalLM | NeuronMistralForCausalLM | NeuronMixtralForCausalLM
-        .inference_config   LlamaInferenceConfig | MistralInferenceConfig | MixtralInferenceConfig
-        .neuron_config_cls  NeuronConfig | MoENeuronConfig (Mixtral)
+        .application        Neuron{Llama,Mistral,Mixtral,Qwen2,Qwen3,Qwen3Moe,Gemma3}ForCausalLM
+                            (``applications``: by model_type and release)
+        .inference_config   its XInferenceConfig
+        .neuron_config_cls  NeuronConfig | MoENeuronConfig (Mixtral, Qwen3-MoE)
         .neuron_config      the exact keyword arguments (JSON; ``torch_dtype`` by name, see ``kwargs()``)
-        .ignored            LMI keys NxD Inference does not take, each with the reason
+        .ignored            LMI keys NxD Inference does not take, and config.json fields the
+                            application does not honour (``model_checks``), each with the reason
 
 The table (our field -> NeuronConfig keyword) holds for aws-neuron/neuronx-distributed-inference 0.8.0
 (cd3abf3, Neuron SDK 2.28, the last release for inf2/trn1) and 0.9.0 (4bcdc54, SDK 2.29, Trn2+):
 ``models/config.py`` takes the same keywords in both (0.9 adds ``enable_ve_data_parallel``). Where the
 releases differ, the version decides: 0.8 has no Mistral application, so a Mistral runs on NxD
 Inference's Llama (which reads ``sliding_window`` as its Mistral does); its Mixtral has no sliding
-window in either release. Checked against the library itself on the CPU
-(``tests/backends/nxdi_library``)::
+window in either release; 0.8's Qwen3 keeps q/k/v apart; Gemma 3 starts at 0.9. Qwen2, Qwen3 and
+Qwen3-MoE (every expert setting is read by the application from config.json: num_experts,
+num_experts_per_tok, moe_intermediate_size; MoENeuronConfig's defaults hold) and Gemma 3 take the same
+keywords as Llama. Checked against the library itself on the CPU (``tests/backends/nxdi_library``)::
 
     tensor_parallel_degree        tp_degree
     max_rolling_batch_size        batch_size, max_batch_size, tkg_batch_size (and ctx_batch_size=1)
@@ -36,7 +40,8 @@ window in either release. Checked against the library itself on the CPU
     override_neuron_config        merged last, every key kept; keys NeuronConfig does not know are
                                   reported (NxD only logs "Unexpected keyword arguments" and goes on)
     override on_cpu=true          NxD Inference's modeling code on the CPU (``to_cpu``): one rank, one
-                                  bucket (n_positions), no fp16, no compile-cache entry
+                                  bucket (n_positions), no fp16, no compile-cache entry; refused for
+                                  an application the CPU mode cannot run (Qwen3-MoE)
 """
 
 from __future__ import annotations
@@ -54,7 +59,6 @@ from neuron_lmi.backends.nxdi.applications import (
     CONFIG_MODULE,
     HF_ADAPTER_MODULE,
     LIBRARY,
-    WINDOWED_APPLICATIONS,
     Application,
 )
 from neuron_lmi.backends.nxdi.fields import (
@@ -64,6 +68,7 @@ from neuron_lmi.backends.nxdi.fields import (
     NOT_TAKEN,
     NOT_TAKEN_DEFAULTS,
 )
+from neuron_lmi.backends.nxdi.model_checks import sliding_window, text_config
 from neuron_lmi.backends.nxdi.support import (
     DEFAULT_VERSION,
     Platform,
@@ -113,6 +118,7 @@ class NxdiPlan:
     version_source: str = "assumed"
     on_cpu: bool = False
     sliding_window: int | None = None  # the ring the application keeps, when it keeps one
+    vocab_size: int = 0  # the language model's (a vision-language config states it in text_config)
     platform: str | None = None
     platform_source: str = ""
     dtype_source: str = "option.dtype"
@@ -238,16 +244,15 @@ def _ignored(config: ServingConfig, fields: frozenset[str], version: str) -> dic
     return out
 
 
-def _window(application: Application, model_config: Mapping[str, Any], n_positions: int) -> int | None:
-    window = model_config.get("sliding_window")
-    if not isinstance(window, int) or window <= 0 or window >= n_positions:
-        return None
-    return window
-
-
-def _on_cpu(kwargs: dict[str, Any], dtype: str, dtype_source: str) -> None:
+def _on_cpu(kwargs: dict[str, Any], dtype: str, dtype_source: str, application: Application) -> None:
     """``to_cpu`` runs one process per rank under torchrun, fp32 only with tp > 1, never fp16
-    (application_base.py ``to_cpu``); the server runs one process, so tp must be 1."""
+    (application_base.py ``to_cpu``); the server runs one process, so tp must be 1. An application
+    whose forward needs a device (``Application.no_cpu_mode``) is refused."""
+    if application.no_cpu_mode:
+        raise ValueError(
+            f"override_neuron_config.on_cpu=true: NxD Inference's {application.application} cannot run "
+            f"on the CPU: {application.no_cpu_mode}; check this model on a Neuron device"
+        )
     if kwargs["tp_degree"] != 1:
         raise ValueError(
             f"override_neuron_config.on_cpu=true runs NxD Inference in this one process: "
@@ -281,7 +286,7 @@ def _base_kwargs(config: ServingConfig, tp: int, dtype: str, application: Applic
         "enable_bucketing": True,
         "context_encoding_buckets": list(nxdi_context_buckets(n_positions, batching.context_length_estimate)),
         "token_generation_buckets": list(token_generation_buckets(n_positions, MIN_BUCKET)),
-        "fused_qkv": defaults.fused_qkv(config, application.application),
+        "fused_qkv": defaults.fused_qkv(config, application),
         "padding_side": "right",
         "save_sharded_checkpoint": neuron.save_sharded_checkpoint,
         **_quantization(neuron.quantize),
@@ -344,6 +349,8 @@ def plan_nxdi(
         target = Platform(platform, "given") if platform else Platform(None, "platform unknown")
     version, version_source = library_release(library_version, target, model_type, version_source)
     old = (release(version) or (0, 9)) <= (0, 8)
+    neuron = config.neuron
+    warning = check_release(version, target.name, model_type, neuron.allow_unsupported_nxdi_on_inf2_trn1)
     applications = APPLICATIONS_0_8 if old else APPLICATIONS
     application = applications.get(model_type)
     if application is None:
@@ -351,8 +358,6 @@ def plan_nxdi(
             f"config.json model_type={model_type!r} has no NxD Inference application here; "
             f"supported: {', '.join(sorted(applications))}"
         )
-    neuron = config.neuron
-    warning = check_release(version, target.name, model_type, neuron.allow_unsupported_nxdi_on_inf2_trn1)
     if config.batching.n_positions is None:
         raise ValueError(
             "n_positions is not set; apply the model defaults (config.apply_model_defaults) first"
@@ -361,21 +366,17 @@ def plan_nxdi(
     kwargs, profile = _neuron_kwargs(config, resolve_tp(config, tp_degree), dtype, application, target)
     on_cpu = kwargs.get("on_cpu") is True
     if on_cpu:
-        _on_cpu(kwargs, dtype, dtype_source)
+        _on_cpu(kwargs, dtype, dtype_source, application)
     _check(kwargs)
-    defaults.check_fused_qkv(
-        kwargs, application.application, version, _key("fused_qkv", config, profile, "fuse_qkv")
-    )
+    defaults.check_fused_qkv(kwargs, application, version, _key("fused_qkv", config, profile, "fuse_qkv"))
     defaults.check_sequence_parallel(kwargs, _key("sequence_parallel_enabled", config, profile))
-    window = _window(application, model_config, int(kwargs["seq_len"]))
+    where = f"NxD Inference {version}'s {application.application}"
+    window, window_ignored = sliding_window(
+        application.windows, model_config, int(kwargs["seq_len"]), on_cpu, where
+    )
     ignored = _ignored(config, NEURON_CONFIG_FIELDS_0_8 if old else NEURON_CONFIG_FIELDS, version)
-    if window is not None and application.application not in WINDOWED_APPLICATIONS:
-        ignored["config.json sliding_window"] = (
-            f"NxD Inference {version}'s {application.application} has no sliding window: with "
-            f"n_positions={kwargs['seq_len']} > sliding_window={window}, tokens past the first {window} "
-            f"attend to the whole sequence, not the last {window} as the model was trained; set "
-            f"option.n_positions <= {window} to stay within the window"
-        )
+    ignored.update(application.check(model_config, version))
+    ignored.update(window_ignored)
     return NxdiPlan(
         model_path=model_path,
         model_type=model_type,
@@ -392,7 +393,8 @@ def plan_nxdi(
         library_version=version,
         version_source=version_source,
         on_cpu=on_cpu,
-        sliding_window=window if application.application in WINDOWED_APPLICATIONS else None,
+        sliding_window=window,
+        vocab_size=int(text_config(model_config).get("vocab_size") or 0),
         platform=target.name,
         platform_source=target.source,
         dtype_source=dtype_source if kwargs["torch_dtype"] == TORCH_DTYPES[dtype] else "override",

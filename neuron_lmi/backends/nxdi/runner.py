@@ -42,19 +42,14 @@ import dataclasses
 import logging
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from cache_api import RowTable
-from compile_cache import CompileCache
-from neuron_lmi.backends.nxdi.artifacts import is_artifact_dir, load_or_compile, new_application
+from neuron_lmi.backends.nxdi.artifacts import new_application
 from neuron_lmi.backends.nxdi.cpu_mode import supply_cpu_methods
-from neuron_lmi.backends.nxdi.defaults import apply_environment
-from neuron_lmi.backends.nxdi.plan import plan_nxdi
 from neuron_lmi.backends.row_batch import PAD_TOKEN_ID, check_prompts, token_batch
-from neuron_lmi.config.hf_config import read_hf_config
 from neuron_lmi.runners.base import (
     GREEDY_LINE,
     BatchKind,
@@ -67,10 +62,7 @@ from neuron_lmi.runners.base import (
 )
 
 if TYPE_CHECKING:
-    from compile_cache import CompileCache
     from neuron_lmi.backends.nxdi.plan import NxdiPlan
-    from neuron_lmi.backends.nxdi.support import Platform
-    from neuron_lmi.config.options import ServingConfig
 
 log = logging.getLogger(__name__)
 
@@ -271,51 +263,6 @@ class NxdiRunner(ForwardByKind):
 # -- start-up: configuration -> plan -> artifacts -> runner -----------------------------------------
 
 
-def build_nxdi_runner(
-    config: ServingConfig,
-    model_path: str,
-    cache: CompileCache | None,
-    tp_degree: int | None = None,
-    model: CausalLMApplication | None = None,
-    compiler_version: str | None = None,
-    library_version: str | None = None,
-    platform: str | Platform | None = None,
-) -> NxdiRunner:
-    """Map the configuration, load (or compile once, then load) the application, wrap it in a runner.
-
-    ``model`` replaces the application (tests pass an ``NxdiContractModel``). Without the Neuron SDK the
-    load raises ``RuntimeError`` naming the packages and AWS's pip repository. With
-    ``override_neuron_config.on_cpu`` the library's modeling code runs here on the CPU (``to_cpu``).
-    """
-    model_config = read_hf_config(model_path, "the NxD Inference backend")
-    plan = plan_nxdi(config, model_config, model_path, tp_degree, library_version, platform)
-    log.info(
-        "NxD Inference %s (%s) on %s: %s, %s (%s)%s",
-        plan.library_version,
-        plan.version_source,
-        plan.platform or "an unknown platform",
-        plan.application.application,
-        plan.dtype,
-        plan.dtype_source,
-        ", on the CPU (override_neuron_config.on_cpu): a check of the configuration, not a Neuron server"
-        if plan.on_cpu
-        else "",
-    )
-    for warning in plan.warnings:
-        log.warning("%s", warning)
-    for key, reason in plan.ignored.items():
-        log.warning("NxD Inference backend ignores %s: %s", key, reason)
-    if model is None:
-        apply_environment(plan.environment, os.environ)
-    if model is None and plan.on_cpu:
-        model = on_cpu_application(plan)
-    elif model is None:
-        model = load_application(
-            plan, model_config, cache, config.neuron.compiled_graph_path, compiler_version
-        )
-    return runner_for(model, plan, int(model_config["vocab_size"]))
-
-
 def runner_for(model: CausalLMApplication, plan: NxdiPlan, vocab_size: int) -> NxdiRunner:
     return NxdiRunner(
         model,
@@ -344,22 +291,3 @@ def on_cpu_application(plan: NxdiPlan) -> Any:
     supply_cpu_methods(app, plan.on_cpu, plan.library_version)
     app.to_cpu()
     return app
-
-
-def load_application(
-    plan: NxdiPlan,
-    model_config: dict[str, Any],
-    cache: CompileCache | None,
-    compiled_graph_path: str | None,
-    compiler_version: str | None = None,
-) -> Any:
-    """An artifact directory given by the user loads as it is; otherwise the compile cache entry for
-    the plan, compiled into it on a miss. Either way the application is built exactly once."""
-    if compiled_graph_path and is_artifact_dir(Path(compiled_graph_path)):
-        log.info("NxD Inference artifacts: %s (given, not cached)", compiled_graph_path)
-        app = new_application(plan)
-        app.load(str(compiled_graph_path))
-        return app
-    if cache is None:
-        cache = CompileCache()
-    return load_or_compile(plan, model_config, cache, compiler_version=compiler_version)

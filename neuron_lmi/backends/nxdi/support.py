@@ -4,6 +4,7 @@
     inf2, trn1        <= 2.28      <= 0.8.x        2.28 (0.8.0) is the last release for these chips
     trn2, trn3        2.29+        0.9+            maintenance from 2.30
     Mixtral (any)     <= 2.28      <= 0.8.x        a kernel it needs was removed in 2.29
+    Gemma 3 (any)     2.29+        0.9+            0.8.x lists no gemma3 in MODEL_TYPES
 
 transformers-neuronx (SDK <= 2.25) is the other library for inf2/trn1 hosts on older SDKs; the
 vllm-neuron plugin 0.21+ needs no NxD Inference and runs on Trn2/Trn3 only.
@@ -12,7 +13,8 @@ AWS is not of one mind about inf2/trn1 after 2.28: the 2.29 notes say NxD Infere
 supports NKI kernels there and to pin 2.28, while the end-of-support announcement keeps inf2/trn1
 in maintenance at SDK 2.31. ``check_release`` refuses 0.9+ on inf2/trn1 by default, naming the
 release to pin; ``option.allow_unsupported_nxdi_on_inf2_trn1`` lets a 2.29-2.31 image start with a
-warning naming the risk. Mixtral, DBRX and Llama 4 on 0.9+ stay refused whatever the key says.
+warning naming the risk. Mixtral, DBRX and Llama 4 on 0.9+ stay refused whatever the key says, and
+Gemma 3 on 0.8 (its ``models/gemma3`` there is unlisted work: no ``query_pre_attn_scalar`` scaling).
 
 The platform (``target_platform``): ``option.neuron_platform`` (``--platform``) where given, else
 NxD's own ``NEURON_PLATFORM_TARGET_OVERRIDE``, else the EC2 instance type; where none tells, nothing
@@ -37,6 +39,8 @@ ALLOW_KEY = "option.allow_unsupported_nxdi_on_inf2_trn1"
 DMI_PRODUCT = "/sys/devices/virtual/dmi/id/product_name"
 # Models whose NxD Inference application ends with 0.8.x.
 ENDS_AT_0_8 = frozenset({"mixtral", "dbrx", "llama4"})
+# Models whose NxD Inference application starts with 0.9.0 (utils/constants.py MODEL_TYPES).
+STARTS_AT_0_9 = frozenset({"gemma3", "gemma3_text"})
 DEFAULT_VERSION = {"v2": "0.8.0", "other": "0.9.0"}  # assumed where the library is not installed
 # The release a platform runs when none is installed or named (the matrix above).
 PLATFORM_RELEASES = {"inf2": "0.8.0", "trn1": "0.8.0", "trn2": "0.9.0", "trn3": "0.9.0"}
@@ -130,6 +134,12 @@ def check_release(
     """Raise ``UnsupportedReleaseError`` where the SDK matrix rules the combination out. Returns the
     start-up warning where ``allow_unsupported_platform`` lets 0.9+ run on inf2/trn1, else None."""
     found = release(version)
+    if found is not None and found <= LAST_INF2_TRN1 and model_type in STARTS_AT_0_9:
+        raise UnsupportedReleaseError(
+            f"neuronx-distributed-inference {version} has no {model_type} application (its "
+            "utils/constants.py MODEL_TYPES starts Gemma 3 at 0.9.0): Neuron SDK 2.29+ "
+            "(neuronx-distributed-inference 0.9+) serves it, on Trn2 and newer"
+        )
     if found is None or found <= LAST_INF2_TRN1:
         return None
     if model_type in ENDS_AT_0_8:

@@ -28,14 +28,20 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from compile_cache.key import token_generation_buckets
 from neuron_lmi.backends.dispatch import NEURON_PIP_REPOSITORY
+from neuron_lmi.config import default_n_positions
 from neuron_lmi.config.dtypes import DTYPES
+from neuron_lmi.config.hf_config import read_hf_config
 from neuron_lmi.parallel.tnx_rules import GQAStrategy, continuous_batching_strategy
+
+if TYPE_CHECKING:
+    from neuron_lmi.config.options import ServingConfig
 
 AMP = MappingProxyType({d.name: d.amp for d in DTYPES.values()})
 QUANTIZE_METHODS = ("static_int8",)  # LMI's option.quantize for transformers-neuronx
@@ -271,3 +277,61 @@ def _without_opt_level(flags: list[str]) -> list[str]:
         elif not re.fullmatch(r"-O\d|--optlevel=\d", flag):
             kept.append(flag)
     return kept
+
+
+def compile_spec_from_config(
+    config: ServingConfig,
+    model_path: str,
+    tp_degree: int | None = None,
+    model_config: Mapping[str, Any] | None = None,
+) -> NeuronCompileSpec:
+    """The one ``NeuronCompileSpec`` for a ``ServingConfig``, used by ``serve`` and by
+    ``neuron-lmi compile --target neuron`` alike, so both compute the same cache key.
+
+    LMI's names map one to one (dtype, context_length_estimate, group_query_attention, fuse_qkv,
+    quantize, neuron_optimize_level, enable_saturate_infinity, enable_mixed_precision_accumulation,
+    compiled_graph_path); the rolling batch size is the compiled batch (continuous batching needs
+    ``batch_size_for_shared_caches == batch_size``); ``n_positions`` unset is LMI's default
+    ``min(max_position_embeddings, 4096)``; the attention geometry comes from ``config.json``
+    (``model_config``, read from ``model_path`` when not given; weights are not needed).
+    ``tp_degree`` resolves ``tensor_parallel_degree=max`` (the caller counts the visible NeuronCores).
+    """
+    parallel, batching, neuron = config.parallel, config.batching, config.neuron
+    tp = parallel.tensor_parallel_degree
+    if tp == "max":
+        if tp_degree is None:
+            raise ValueError("tensor_parallel_degree=max needs the number of visible NeuronCores")
+        tp = tp_degree
+    hf = dict(model_config) if model_config is not None else read_model_config(model_path)
+    n_positions = batching.n_positions or default_n_positions(_positive(hf.get("max_position_embeddings")))
+    n_query = _positive(hf.get("num_attention_heads"))
+    n_kv = _positive(hf.get("num_key_value_heads")) or n_query
+    hidden = _positive(hf.get("hidden_size"))
+    head_dim = _positive(hf.get("head_dim")) or (hidden // n_query if hidden and n_query else None)
+    return NeuronCompileSpec(
+        model_path=model_path,
+        tp_degree=int(tp),
+        batch_size=batching.max_rolling_batch_size,
+        n_positions=n_positions,
+        dtype=config.model.dtype,
+        context_length_estimate=batching.context_length_estimate,
+        group_query_attention=parallel.group_query_attention,
+        fuse_qkv=neuron.fuse_qkv,
+        quantize=neuron.quantize,
+        neuron_optimize_level=neuron.neuron_optimize_level,
+        enable_saturate_infinity=neuron.enable_saturate_infinity,
+        enable_mixed_precision_accumulation=neuron.enable_mixed_precision_accumulation,
+        compiled_graph_path=neuron.compiled_graph_path,
+        n_query_heads=n_query,
+        n_kv_heads=n_kv if n_query else None,
+        head_dim=head_dim,
+    )
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def read_model_config(model_path: str) -> dict[str, Any]:
+
+    return read_hf_config(model_path, "the Neuron backend")

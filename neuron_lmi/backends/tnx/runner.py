@@ -24,41 +24,21 @@ token per call, as the library's own ``context`` does.
 What ran where: this module's logic runs in the test suite against
 ``neuron_lmi.testing.tnx_contract.ContractModel`` (the same forward contract on the CPU reference
 model); the calls into transformers-neuronx (``from_pretrained``, ``to_neuron``, ``save``/``load``
-through the compile cache) are written against the library's API and checked with stand-in classes,
-not run on a Neuron device.
+through the compile cache, in ``compile`` and ``backend``) are written against the library's API and
+checked with stand-in classes, not run on a Neuron device.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from cache_api import RowTable
-from compile_cache import CompileCache, architecture_config
 from neuron_lmi.backends.row_batch import check_prompts, token_batch
-from neuron_lmi.backends.tnx.args import (
-    MappedNeuronArgs,
-    NeuronCompileSpec,
-    build_neuron_config,
-    map_compile_spec,
-)
-from neuron_lmi.backends.tnx.compile import (
-    compile_neuron_entry,
-    load_neuron_model,
-    neuron_key_inputs,
-    plan_neuron_compile,
-)
-from neuron_lmi.config import default_n_positions
-from neuron_lmi.config.hf_config import read_hf_config
 from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities
-
-if TYPE_CHECKING:
-    from compile_cache import CompileCache
-    from neuron_lmi.config.options import ServingConfig
 
 log = logging.getLogger(__name__)
 
@@ -145,133 +125,3 @@ class NeuronRunner(ForwardByKind):
         if out.dim() != 2 or out.shape[0] != n or out.shape[1] < self.vocab_size:
             raise RuntimeError(f"model returned logits {tuple(out.shape)}, expected [{n}, {self.vocab_size}]")
         return out[:, : self.vocab_size].float()
-
-
-# -- building the runner from the configuration --------------------------------------------------
-
-
-def compile_spec_from_config(
-    config: ServingConfig,
-    model_path: str,
-    tp_degree: int | None = None,
-    model_config: Mapping[str, Any] | None = None,
-) -> NeuronCompileSpec:
-    """The one ``NeuronCompileSpec`` for a ``ServingConfig``, used by ``serve`` and by
-    ``neuron-lmi compile --target neuron`` alike, so both compute the same cache key.
-
-    LMI's names map one to one (dtype, context_length_estimate, group_query_attention, fuse_qkv,
-    quantize, neuron_optimize_level, enable_saturate_infinity, enable_mixed_precision_accumulation,
-    compiled_graph_path); the rolling batch size is the compiled batch (continuous batching needs
-    ``batch_size_for_shared_caches == batch_size``); ``n_positions`` unset is LMI's default
-    ``min(max_position_embeddings, 4096)``; the attention geometry comes from ``config.json``
-    (``model_config``, read from ``model_path`` when not given; weights are not needed).
-    ``tp_degree`` resolves ``tensor_parallel_degree=max`` (the caller counts the visible NeuronCores).
-    """
-    parallel, batching, neuron = config.parallel, config.batching, config.neuron
-    tp = parallel.tensor_parallel_degree
-    if tp == "max":
-        if tp_degree is None:
-            raise ValueError("tensor_parallel_degree=max needs the number of visible NeuronCores")
-        tp = tp_degree
-    hf = dict(model_config) if model_config is not None else read_model_config(model_path)
-    n_positions = batching.n_positions or default_n_positions(_positive(hf.get("max_position_embeddings")))
-    n_query = _positive(hf.get("num_attention_heads"))
-    n_kv = _positive(hf.get("num_key_value_heads")) or n_query
-    hidden = _positive(hf.get("hidden_size"))
-    head_dim = _positive(hf.get("head_dim")) or (hidden // n_query if hidden and n_query else None)
-    return NeuronCompileSpec(
-        model_path=model_path,
-        tp_degree=int(tp),
-        batch_size=batching.max_rolling_batch_size,
-        n_positions=n_positions,
-        dtype=config.model.dtype,
-        context_length_estimate=batching.context_length_estimate,
-        group_query_attention=parallel.group_query_attention,
-        fuse_qkv=neuron.fuse_qkv,
-        quantize=neuron.quantize,
-        neuron_optimize_level=neuron.neuron_optimize_level,
-        enable_saturate_infinity=neuron.enable_saturate_infinity,
-        enable_mixed_precision_accumulation=neuron.enable_mixed_precision_accumulation,
-        compiled_graph_path=neuron.compiled_graph_path,
-        n_query_heads=n_query,
-        n_kv_heads=n_kv if n_query else None,
-        head_dim=head_dim,
-    )
-
-
-def _positive(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def read_model_config(model_path: str) -> dict[str, Any]:
-
-    return read_hf_config(model_path, "the Neuron backend")
-
-
-def load_compiled_model(
-    spec: NeuronCompileSpec,
-    model_config: Mapping[str, Any],
-    cache: CompileCache | None,
-    env: Mapping[str, str] | None = None,
-    no_compile: bool = False,
-    compiler_version: str | None = None,
-) -> Any:
-    """The ready ``<Arch>ForSampling``, built once: on a hit ``from_pretrained`` + ``load(entry)`` +
-    ``to_neuron``; on a miss the model compiled into the entry (``from_pretrained`` + ``to_neuron`` +
-    ``save``) is the one served, never built a second time. ``compiler_version`` defaults to the
-    installed neuronx-cc's (it is part of the cache key)."""
-    if cache is None:
-        cache = CompileCache()
-    architecture = _architecture(model_config)
-    mapped = plan_neuron_compile(spec, cache, os.environ if env is None else env)
-    for note in mapped.notes:
-        log.warning("transformers-neuronx: %s", note)
-    build_neuron_config(mapped)  # fails first, naming the missing Neuron packages
-    inputs = neuron_key_inputs(spec, mapped, architecture_config(dict(model_config)), compiler_version)
-    compiled: list[Any] = []
-    entry = cache.get_or_compile(
-        inputs,
-        lambda out: compiled.append(compile_neuron_entry(mapped, architecture, out)),
-        no_compile=no_compile,
-    )
-    if compiled:
-        log.info(
-            "Neuron artifacts: compiled into cache entry %s (%s); serving that model", entry.key, entry.path
-        )
-        return compiled[0]
-    log.info("Neuron artifacts: compile cache entry %s (%s)", entry.key, entry.path)
-    return load_neuron_model(mapped, architecture, entry.path)
-
-
-def build_neuron_runner(
-    config: ServingConfig,
-    model_path: str,
-    cache: CompileCache | None,
-    tp_degree: int | None = None,
-    model: SamplingModel | None = None,
-    compiler_version: str | None = None,
-) -> NeuronRunner:
-    """Start-up: map the configuration, load (or compile) the model, wrap it in a ``NeuronRunner``.
-
-    ``model`` replaces the transformers-neuronx model (tests pass a ``ContractModel``).  Without the
-    Neuron SDK this raises ``RuntimeError`` naming the packages and AWS's pip repository.
-    """
-    model_config = read_model_config(model_path)
-    spec = compile_spec_from_config(config, model_path, tp_degree, model_config)
-    mapped = map_compile_spec(spec)
-    if model is None:
-        model = load_compiled_model(spec, model_config, cache, compiler_version=compiler_version)
-    return runner_for(model, spec, mapped, int(model_config["vocab_size"]))
-
-
-def runner_for(
-    model: SamplingModel, spec: NeuronCompileSpec, mapped: MappedNeuronArgs, vocab_size: int
-) -> NeuronRunner:
-    return NeuronRunner(model, spec.batch_size, spec.n_positions, vocab_size, mapped.context_buckets)
-
-
-def _architecture(model_config: Mapping[str, Any]) -> str:
-    names = model_config.get("architectures") or []
-    if not names:
-        raise ValueError("config.json names no architecture ('architectures' is empty)")
-    return str(names[0])

@@ -57,21 +57,20 @@ def counting(calls: list[tuple[str, int]], real: Callable[..., None]) -> Callabl
 @pytest.fixture(scope="session")
 def compiled_store(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> CompiledStore:
     from compile_cache import CompileCache
+    from neuron_lmi.backends.backend import get_or_compile
     from neuron_lmi.backends.cpu import aot
-    from neuron_lmi.backends.cpu.aot_runner import open_compiled_runner
+    from neuron_lmi.backends.cpu.backend import CPU_BACKEND, bucket_plan
 
     root = tmp_path_factory.mktemp("compile_store")
     calls: list[tuple[str, int]] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(aot, "compile_graph", counting(calls, aot.compile_graph))
-        opened = open_compiled_runner(
-            load_tiny(tiny_llama_dir),
-            tiny_llama_dir,
-            aot.CpuPlan.default(N_ROWS, N_POSITIONS, "fp32"),
-            CompileCache(root),
+        plan = bucket_plan(
+            load_tiny(tiny_llama_dir), tiny_llama_dir, aot.CpuPlan.default(N_ROWS, N_POSITIONS, "fp32")
         )
-    assert opened.compiled
-    return CompiledStore(root, tiny_llama_dir, opened.entry.key, calls)
+        artifacts = get_or_compile(CPU_BACKEND, plan, CompileCache(root))
+    assert artifacts.compiled == {"buckets"}
+    return CompiledStore(root, tiny_llama_dir, artifacts.entry("buckets").key, calls)
 
 
 @pytest.fixture()

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from compile_cache import CacheMissError, CompileCache
+from neuron_lmi.backends.backend import get_or_compile
 from neuron_lmi.backends.cpu import aot
-from neuron_lmi.backends.cpu.aot_runner import open_compiled_runner
+from neuron_lmi.backends.cpu.backend import CPU_BACKEND, bucket_plan
 from neuron_lmi.cli import main
 from tests.backends.cpu.conftest import CompiledStore
 
@@ -28,10 +29,10 @@ def test_second_open_is_a_hit_that_compiles_nothing(
     compiled_store: CompiledStore, compile_calls: list[tuple[str, int]]
 ) -> None:
     s = compiled_store
-    opened = open_compiled_runner(
-        s.load_model(), s.model_dir, s.plan(), CompileCache(s.root), no_compile=True
-    )
-    assert (opened.compiled, compile_calls, opened.entry.key) == (False, [], s.key)
+    plan = bucket_plan(s.load_model(), s.model_dir, s.plan())
+    artifacts = get_or_compile(CPU_BACKEND, plan, CompileCache(s.root), no_compile=True)
+    CPU_BACKEND.load(plan, artifacts)  # the stored graphs bind to the model's weights
+    assert (artifacts.compiled, compile_calls, artifacts.entry("buckets").key) == (set(), [], s.key)
 
 
 def test_changing_one_key_input_makes_a_new_entry(compiled_store: CompiledStore, tmp_path: Path) -> None:
@@ -58,7 +59,9 @@ def test_changing_one_key_input_makes_a_new_entry(compiled_store: CompiledStore,
 def test_no_compile_on_a_miss_fails_clearly(compiled_store: CompiledStore, tmp_path: Path) -> None:
     s = compiled_store
     with pytest.raises(CacheMissError, match="no_compile"):
-        open_compiled_runner(s.load_model(), s.model_dir, s.plan(), CompileCache(tmp_path), no_compile=True)
+        get_or_compile(
+            CPU_BACKEND, bucket_plan(s.load_model(), s.model_dir, s.plan()), CompileCache(tmp_path), True
+        )
 
 
 def test_corrupt_byte_is_named_by_verify_and_recompiled(
@@ -79,11 +82,12 @@ def test_corrupt_byte_is_named_by_verify_and_recompiled(
     assert "decode-128.pt2" in capsys.readouterr().out
 
     s = compiled_store
-    opened = open_compiled_runner(s.load_model(), s.model_dir, s.plan(), cache)
-    assert opened.compiled and compile_calls == [("prefill", 64), ("decode", 128)]
+    artifacts = get_or_compile(CPU_BACKEND, bucket_plan(s.load_model(), s.model_dir, s.plan()), cache)
+    assert artifacts.compiled == {"buckets"} and compile_calls == [("prefill", 64), ("decode", 128)]
     assert cache.verify(compiled_store.key).ok
     assert any(
-        p.name.startswith(f"{compiled_store.key}.corrupt-") for p in opened.entry.path.parent.iterdir()
+        p.name.startswith(f"{compiled_store.key}.corrupt-")
+        for p in artifacts.entry("buckets").path.parent.iterdir()
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,20 +12,17 @@ from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.cli import main
 from neuron_lmi.engine.types import SamplingParams
 from tests.backends.cpu.conftest import CompiledStore
+from tests.conftest import cpu_options
 
 pytestmark = pytest.mark.slow
 
 
 def test_greedy_compiled_equals_eager_token_for_token(compiled_store: CompiledStore) -> None:
     common = {"max_rolling_batch_size": compiled_store.n_rows, "n_positions": compiled_store.n_positions}
-    eager = LLM(str(compiled_store.model_dir), **common)
-    compiled = LLM(
-        str(compiled_store.model_dir),
-        compiled=True,
-        compiled_graph_path=str(compiled_store.root),
-        no_compile=True,
-        **common,
-    )
+    eager = LLM(str(compiled_store.model_dir), dtype="fp32", enforce_eager=True, **common)
+    # option.compiled_graph_path: the bucket runner, on what the store holds (no_compile: no miss).
+    stored = cpu_options(compiled_store.model_dir, compiled_graph_path=str(compiled_store.root), **common)
+    compiled = LLM.from_options(replace(stored, no_compile=True))
     assert type(compiled.core.runner).__name__ == "CompiledCpuRunner"
     ids = list(range(300, 380))
     # Six requests on four rows with different lengths: rows join and leave mid-batch (interleaved),
@@ -94,10 +92,8 @@ def test_compile_command_builds_the_graphs_serve_loads(
     assert first["compiled"] is True and all(p["compiled"] for p in first["packages"])
     assert first["key"] == first["packages"][0]["key"] and first["graphs"] == 2
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
-    served = LLM(
-        str(tiny_llama_dir), max_rolling_batch_size=4, n_positions=128, dtype="fp32",
-        compile_graphs=True, no_compile=True,
-    )  # fmt: skip
+    as_served = cpu_options(tiny_llama_dir, max_rolling_batch_size=4, n_positions=128, enforce_eager=False)
+    served = LLM.from_options(replace(as_served, no_compile=True))
     runner = served.core.runner
     assert runner.compiled_decode is not None and runner.compiled_extend is not None
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)

@@ -4,25 +4,34 @@ one compile per model and shape (then a cache hit), eager wherever a package doe
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from neuron_lmi.backends.cpu import compiled_decode, compiled_extend, graphs
+from neuron_lmi.backends.cpu.engine import CpuEngineOptions
 from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.backends.cpu.runner import CpuRunner
 from neuron_lmi.engine.types import SamplingParams
 from neuron_lmi.models import native, packed_linear
 from tests.backends.cpu.conftest import load_tiny
+from tests.conftest import cpu_options
 
 pytestmark = pytest.mark.slow
 
 N_ROWS, N_POSITIONS = 4, 128
 
 
-def _llm(model_dir: Path, **options: object) -> LLM:
-    return LLM(str(model_dir), max_rolling_batch_size=N_ROWS, n_positions=N_POSITIONS, **options)
+def _options(model_dir: Path, **keys: object) -> CpuEngineOptions:
+    """``N_ROWS`` x ``N_POSITIONS`` from configuration keys: fp32 and eager unless ``keys`` say
+    otherwise (``enforce_eager=False``: the compiled step and extend, as served)."""
+    return cpu_options(model_dir, max_rolling_batch_size=N_ROWS, n_positions=N_POSITIONS, **keys)
+
+
+def _llm(model_dir: Path, **keys: object) -> LLM:
+    return LLM.from_options(_options(model_dir, **keys))
 
 
 def on_library(model: str, library: str, pair_limit: int | None = None) -> object:
@@ -65,7 +74,7 @@ def test_compiled_graphs_equal_eager_token_for_token(
     if pair_limit is not None:
         monkeypatch.setattr(compiled_decode, "CHUNK_PAIR_LIMIT", pair_limit)
     model_dir = request.getfixturevalue(model)
-    eager, compiled = _llm(model_dir), _llm(model_dir, compile_graphs=True)
+    eager, compiled = _llm(model_dir), _llm(model_dir, enforce_eager=False)
     runner = compiled.core.runner
     package, extend = runner.compiled_decode, runner.compiled_extend
     assert eager.core.runner.compiled_decode is None and eager.core.runner.compiled_extend is None
@@ -127,7 +136,7 @@ def test_second_start_loads_from_the_cache_without_compiling(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
-    first = _llm(tiny_llama_dir, compile_graphs=True)
+    first = _llm(tiny_llama_dir, enforce_eager=False)
     assert first.core.runner.compiled_decode is not None
     assert list(tmp_path.rglob(compiled_decode.PACKAGE_FILE)) and list(
         tmp_path.rglob(compiled_extend.PACKAGE_FILE)
@@ -138,7 +147,7 @@ def test_second_start_loads_from_the_cache_without_compiling(
 
     monkeypatch.setattr(compiled_decode.CompiledDecode, "compile_package", staticmethod(fail))
     monkeypatch.setattr(compiled_extend.CompiledExtend, "compile_package", staticmethod(fail))
-    second = _llm(tiny_llama_dir, compile_graphs=True)
+    second = _llm(tiny_llama_dir, enforce_eager=False)
     assert second.core.runner.compiled_decode is not None and second.core.runner.compiled_extend is not None
     prompt, params = [list(range(50, 70))], [SamplingParams(max_new_tokens=6, temperature=0.0)]
     assert [c.token_ids for c in second.generate(prompt, params)] == [
@@ -149,7 +158,7 @@ def test_second_start_loads_from_the_cache_without_compiling(
 
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path / "empty"))
     with pytest.raises(CacheMissError):
-        _llm(tiny_llama_dir, compile_graphs=True, no_compile=True)
+        LLM.from_options(replace(_options(tiny_llama_dir, enforce_eager=False), no_compile=True))
 
 
 def test_models_and_caches_without_a_decode_graph(
@@ -210,7 +219,7 @@ def test_compiled_extend_writes_the_cache_and_logits_eager_does(
     the graph takes), and three rows of different lengths after different prefixes (padding
     writes leave the slots after each chunk as they were)."""
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
-    runner = _llm(tiny_llama_dir, compile_graphs=True).core.runner
+    runner = _llm(tiny_llama_dir, enforce_eager=False).core.runner
     extend = runner.compiled_extend
     assert extend is not None
     k, v = runner.cache.k, runner.cache.v
@@ -261,7 +270,7 @@ def test_bf16_graphs_follow_the_eager_bf16_engine(
     four decode steps, its logits stay within bf16 rounding of the eager bf16 runner's."""
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
     eager = _llm(tiny_llama_dir, dtype="bf16").core.runner
-    compiled = _llm(tiny_llama_dir, dtype="bf16", compile_graphs=True).core.runner
+    compiled = _llm(tiny_llama_dir, dtype="bf16", enforce_eager=False).core.runner
     decode, extend = compiled.compiled_decode, compiled.compiled_extend
     assert decode is not None and extend is not None
     assert (
@@ -286,7 +295,7 @@ def test_quantized_graphs_follow_the_eager_quantized_engine(
     alone (one token), the logits stay within bf16 rounding of the eager quantized runner's."""
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
     eager = _llm(tiny_llama_dir, quantize=method).core.runner
-    compiled = _llm(tiny_llama_dir, quantize=method, compile_graphs=True).core.runner
+    compiled = _llm(tiny_llama_dir, quantize=method, enforce_eager=False).core.runner
     decode, extend = compiled.compiled_decode, compiled.compiled_extend
     assert decode is not None and extend is not None
     formats = compiled_decode.weight_formats(compiled.model)
@@ -350,7 +359,7 @@ def test_with_the_ops_chunk_path_the_step_graph_runs_every_chunk(
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(graphs.ATTENTION_ENV, raising=False)
     model_dir = make_tiny_checkpoint(tmp_path / "head64", "llama", hidden_size=128, num_attention_heads=2)
-    eager, compiled = _llm(model_dir), _llm(model_dir, compile_graphs=True)
+    eager, compiled = _llm(model_dir), _llm(model_dir, enforce_eager=False)
     runner = compiled.core.runner
     if compiled_decode.chunk_pair_limit(runner.model) is not None:
         pytest.skip("this host's op has no chunk path (AVX-512 needed)")

@@ -12,6 +12,7 @@ import pytest
 
 from neuron_lmi.backends.cpu.engine import CpuEngineOptions, default_cpu_dtype, resolve_cpu_dtype
 from neuron_lmi.models.native import host_cpu_flags
+from tests.conftest import cpu_options
 
 
 @pytest.mark.parametrize(
@@ -39,27 +40,29 @@ def test_host_cpu_flags_reads_the_first_flags_line(tmp_path: Path) -> None:
 def test_an_explicit_dtype_wins() -> None:
     assert resolve_cpu_dtype("fp32") == "fp32" and resolve_cpu_dtype("bf16") == "bf16"
     assert resolve_cpu_dtype(None) == resolve_cpu_dtype("auto") in ("fp32", "bf16")
-    assert CpuEngineOptions(dtype="auto").dtype_name() == resolve_cpu_dtype(None)
-    assert CpuEngineOptions().dtype_name() == "fp32"  # the Python API stays fp32 unless told
+    unset = cpu_options("smollm2", dtype=None)  # the host's, as serve runs it
+    assert unset.dtype == unset.dtype_name() == resolve_cpu_dtype(None)
+    assert dataclasses.replace(unset, dtype="auto").dtype_name() == resolve_cpu_dtype(None)
+    assert cpu_options("smollm2", dtype="fp32").dtype_name() == "fp32"
 
 
 @pytest.mark.parametrize(
-    ("options", "match"),
+    ("keys", "switches", "match"),
     [
-        ({"quantize": "fp8"}, "Neuron-only"),
-        ({"quantize": "static_int8"}, "Neuron-only"),
-        ({"quantize": "int4", "compiled": True}, "AOT-compiled"),
+        ({"quantize": "fp8"}, {}, "Neuron-only"),
+        ({"quantize": "static_int8"}, {}, "Neuron-only"),
+        ({"quantize": "int4", "compiled_graph_path": "/compiled"}, {}, "AOT-compiled"),
+        ({"quantize": "int4"}, {"compiled": True}, "AOT-compiled"),
     ],
 )
-def test_unsupported_quantize_is_rejected(options: dict[str, Any], match: str) -> None:
+def test_unsupported_quantize_is_rejected(keys: dict[str, Any], switches: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        CpuEngineOptions(**options).validate_quantize()
+        dataclasses.replace(cpu_options("smollm2", **keys), **switches).validate_quantize()
 
 
 def _cpu_builder_kwargs(monkeypatch: pytest.MonkeyPatch, model: Path, **cli: str) -> dict[str, Any]:
     from neuron_lmi.backends import registry
     from neuron_lmi.backends.cpu import engine as cpu_engine
-    from neuron_lmi.backends.cpu.build import build_cpu_engine
     from neuron_lmi.config import load_config
 
     seen: dict[str, Any] = {}
@@ -70,7 +73,7 @@ def _cpu_builder_kwargs(monkeypatch: pytest.MonkeyPatch, model: Path, **cli: str
 
     monkeypatch.setattr(cpu_engine, "cpu_process_engine", record)
     resolved = load_config({"model_id": str(model), **cli}, None, env={})
-    build_cpu_engine(registry.BuildRequest(resolved, {}, "cpu", 1))
+    registry.get("cpu")(registry.BuildRequest(resolved, {}, "cpu", 1))
     return seen
 
 
@@ -90,6 +93,6 @@ def test_generate_flags() -> None:
 
     parser = argparse.ArgumentParser()
     generate.add_parser(parser.add_subparsers())
-    assert parser.parse_args(["generate", "hi"]).dtype == "auto"
+    assert parser.parse_args(["generate", "hi"]).dtype is None  # unset: the host's, as serve
     args = parser.parse_args(["generate", "hi", "--dtype", "fp32", "--quantize", "int8"])
     assert (args.dtype, args.quantize) == ("fp32", "int8")

@@ -87,8 +87,8 @@ def test_compiled_qwen3_equals_eager_token_for_token(tmp_path: Path, monkeypatch
 
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path / "cache"))
     path = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", seed=4)
-    options = {"max_rolling_batch_size": 4, "n_positions": N_POSITIONS}
-    eager, compiled = LLM(str(path), **options), LLM(str(path), compile_graphs=True, **options)
+    options = {"dtype": "fp32", "max_rolling_batch_size": 4, "n_positions": N_POSITIONS}
+    eager, compiled = LLM(str(path), enforce_eager=True, **options), LLM(str(path), **options)
     package = compiled.core.runner.compiled_decode
     assert package is not None and eager.core.runner.compiled_decode is None
     ids = list(range(300, 400))

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from compile_cache import CacheMissError, CompileCache
+from neuron_lmi.backends.backend import get_or_compile
 from neuron_lmi.backends.cpu import compiled_decode
+from neuron_lmi.backends.cpu.backend import CPU_BACKEND, frozen_plan
 from neuron_lmi.models import host_isa
 from tests.backends.cpu.conftest import N_POSITIONS, N_ROWS, load_tiny
 
@@ -30,11 +32,12 @@ def test_a_package_that_cannot_be_opened_leaves_the_engine_eager(
     foreign = cache.get_or_compile(
         inputs, lambda out: (out / compiled_decode.PACKAGE_FILE).write_bytes(b"PK\x03\x04 not a package")
     )
+    plan = frozen_plan(model, tiny_llama_dir, N_ROWS, N_POSITIONS)
+    plan = dataclasses.replace(plan, units=plan.units[:1])  # the step package alone
+    assert plan.units[0].inputs == inputs
     with caplog.at_level(logging.ERROR):
-        opened = compiled_decode.open_frozen_entry(
-            compiled_decode.CompiledDecode, model, tiny_llama_dir, N_ROWS, N_POSITIONS, cache, no_compile=True
-        )
-    assert opened is None
+        runner = CPU_BACKEND.load(plan, get_or_compile(CPU_BACKEND, plan, cache, no_compile=True))
+    assert runner.compiled_decode is None
     assert f"key={foreign.key}" in caplog.text and "failed to load" in caplog.text
 
 
@@ -47,9 +50,8 @@ def test_a_package_from_before_the_features_were_keyed_is_a_miss(
     older = dataclasses.replace(inputs, isa_features=None)  # its manifest names no features
     cache.get_or_compile(older, lambda out: (out / compiled_decode.PACKAGE_FILE).write_bytes(b"old"))
     with pytest.raises(CacheMissError):
-        compiled_decode.open_frozen_entry(
-            compiled_decode.CompiledDecode, model, tiny_llama_dir, N_ROWS, N_POSITIONS, cache, no_compile=True
-        )
+        plan = frozen_plan(model, tiny_llama_dir, N_ROWS, N_POSITIONS)
+        get_or_compile(CPU_BACKEND, plan, cache, no_compile=True)
 
 
 @pytest.mark.skipif(

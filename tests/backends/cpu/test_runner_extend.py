@@ -14,7 +14,9 @@ from neuron_lmi.backends.cpu.runner import CpuRunner
 
 @pytest.fixture(scope="module")
 def model(tiny_llama_dir: Path):
-    return LLM(str(tiny_llama_dir), max_rolling_batch_size=1, n_positions=256).core.runner.model
+    return LLM(
+        str(tiny_llama_dir), dtype="fp32", enforce_eager=True, max_rolling_batch_size=1, n_positions=256
+    ).core.runner.model
 
 
 def prompt(n: int, seed: int) -> list[int]:

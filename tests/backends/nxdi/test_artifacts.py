@@ -1,4 +1,5 @@
-"""NxD Inference artifacts through the compile cache, against stand-in library modules.
+"""NxD Inference artifacts through the compile cache (``NxdiBackend``: plan -> compile -> load),
+against stand-in library modules.
 
 The stand-ins record what the backend constructs and calls (``NeuronConfig(**kwargs)``,
 ``LlamaInferenceConfig(neuron_config, load_config=…)``, ``NeuronLlamaForCausalLM(path, config)``,
@@ -17,9 +18,10 @@ import pytest
 import torch
 
 from compile_cache import CompileCache
-from neuron_lmi.backends.nxdi.artifacts import is_artifact_dir, load_or_compile, nxdi_key_inputs
-from neuron_lmi.backends.nxdi.plan import plan_nxdi
-from neuron_lmi.backends.nxdi.runner import load_application
+from neuron_lmi.backends.backend import CompileOptions, load_runner
+from neuron_lmi.backends.nxdi.artifacts import is_artifact_dir, nxdi_key_inputs
+from neuron_lmi.backends.nxdi.backend import NXDI_BACKEND, NxdiBuildPlan
+from neuron_lmi.backends.registry import BuildRequest
 from neuron_lmi.config import load_config
 
 CONFIG = {
@@ -97,22 +99,36 @@ def library(monkeypatch: pytest.MonkeyPatch) -> type[Recorder]:
     return Recorder
 
 
-@pytest.fixture()
-def plan(tmp_path: Path) -> Any:
+def build_plan(tmp_path: Path, compiler_version: str = "2.21.0", **options: Any) -> NxdiBuildPlan:
     folder = tmp_path / "model"
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps(CONFIG))
-    resolved = load_config(
-        {"model_id": str(folder), "tensor_parallel_degree": 2, "n_positions": 256, "dtype": "bf16"}, env={}
-    )
-    return plan_nxdi(resolved.config, CONFIG, str(folder))
+    cli = {
+        "model_id": str(folder),
+        "tensor_parallel_degree": 2,
+        "n_positions": 256,
+        "dtype": "bf16",
+        **options,
+    }
+    request = BuildRequest(load_config(cli, env={}), {}, NXDI_BACKEND.name, 2)
+    return NXDI_BACKEND.plan(request, folder, CompileOptions(compiler_version=compiler_version))
+
+
+@pytest.fixture()
+def built(tmp_path: Path) -> NxdiBuildPlan:
+    return build_plan(tmp_path)
+
+
+@pytest.fixture()
+def plan(built: NxdiBuildPlan) -> Any:
+    return built.mapped
 
 
 def test_a_miss_compiles_once_and_serves_that_model(
-    library: type[Recorder], plan: Any, tmp_path: Path
+    library: type[Recorder], built: NxdiBuildPlan, plan: Any, tmp_path: Path
 ) -> None:
     cache = CompileCache(tmp_path / "cache")
-    app = load_or_compile(plan, CONFIG, cache, compiler_version="2.21.0")
+    app = load_runner(NXDI_BACKEND, built, cache).model
     assert len(library.built) == 1 and app is library.built[0]  # built once, never twice
     assert len(library.compiled) == 1
     entry = cache.lookup(nxdi_key_inputs(plan, CONFIG, compiler_version="2.21.0"))
@@ -126,7 +142,7 @@ def test_a_miss_compiles_once_and_serves_that_model(
     assert loaded.loaded_from == ("hf", plan.model_path)
     assert loaded.head_dim == CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
 
-    again = load_or_compile(plan, CONFIG, cache, compiler_version="2.21.0")  # a hit: no compile
+    again = load_runner(NXDI_BACKEND, built, cache).model  # a hit: no compile
     assert len(library.compiled) == 1 and again is library.built[1]
 
 
@@ -140,26 +156,27 @@ def test_key_covers_every_neuron_config_argument(plan: Any) -> None:
     assert base.describe()["library_args"]["neuron_config"]["tp_degree"] == 2
 
 
-def test_no_compile_refuses_a_miss(library: type[Recorder], plan: Any, tmp_path: Path) -> None:
+def test_no_compile_refuses_a_miss(library: type[Recorder], built: NxdiBuildPlan, tmp_path: Path) -> None:
     from compile_cache import CacheMissError
 
     with pytest.raises(CacheMissError):
-        load_or_compile(plan, CONFIG, CompileCache(tmp_path / "c"), no_compile=True, compiler_version="1")
+        load_runner(NXDI_BACKEND, built, CompileCache(tmp_path / "c"), no_compile=True)
     assert library.built == []
 
 
-def test_given_artifact_directory_loads_in_place(library: type[Recorder], plan: Any, tmp_path: Path) -> None:
+def test_given_artifact_directory_loads_in_place(library: type[Recorder], tmp_path: Path) -> None:
     given = tmp_path / "artifacts"
     given.mkdir()
     (given / "neuron_config.json").write_text("{}")
     (given / "model.pt").write_bytes(b"x")
-    load_application(plan, CONFIG, CompileCache(tmp_path / "unused"), str(given))
+    built = build_plan(tmp_path, compiled_graph_path=str(given))
+    assert built.units == ()  # nothing to compile: no store is opened
+    load_runner(NXDI_BACKEND, built, None)
     assert library.loaded == [str(given)] and library.compiled == []
-    assert not (tmp_path / "unused").exists() or not any((tmp_path / "unused").iterdir())
 
 
-def test_without_the_sdk_the_error_names_the_packages(plan: Any, tmp_path: Path) -> None:
+def test_without_the_sdk_the_error_names_the_packages(built: NxdiBuildPlan, tmp_path: Path) -> None:
     with pytest.raises(
         RuntimeError, match=r"neuronx-distributed-inference.*pip\.repos\.neuron\.amazonaws\.com"
     ):
-        load_or_compile(plan, CONFIG, CompileCache(tmp_path / "c"), compiler_version="1")
+        load_runner(NXDI_BACKEND, built, CompileCache(tmp_path / "c"))

@@ -225,7 +225,8 @@ def test_the_runner_reports_the_checkpoints_dtype(tmp_path: Path, caplog: pytest
 
     import torch
 
-    from neuron_lmi.backends.nxdi.runner import build_nxdi_runner
+    from neuron_lmi.backends.nxdi.backend import build_nxdi_runner
+    from neuron_lmi.backends.registry import BuildRequest
     from neuron_lmi.models import build_model
     from neuron_lmi.models.loader import load_checkpoint
     from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
@@ -237,8 +238,9 @@ def test_the_runner_reports_the_checkpoints_dtype(tmp_path: Path, caplog: pytest
     props = tmp_path / "serving.properties"
     props.write_text("option.max_rolling_batch_size=2\noption.n_positions=64\n", encoding="utf-8")
     resolved = load_config(properties_path=props, env={})
-    with caplog.at_level(logging.INFO, logger="neuron_lmi.backends.nxdi.runner"):
-        runner = build_nxdi_runner(resolved.config, str(checkpoint), cache=None, model=contract)
+    with caplog.at_level(logging.INFO, logger="neuron_lmi.backends.nxdi.backend"):
+        runner = build_nxdi_runner(BuildRequest(resolved, {}, "neuron-nxdi", 1), checkpoint, model=contract)
     assert runner.dtype == "fp32"
     assert "fp32 (config.json dtype=float32 (option.dtype unset))" in caplog.text  # transformers 4.57
-    assert "(assumed: not installed, platform unknown) on an unknown platform" in caplog.text
+    assert "(assumed: not installed, platform unknown: no option.neuron_platform" in caplog.text
+    assert "EC2 instance type) on an unknown platform" in caplog.text

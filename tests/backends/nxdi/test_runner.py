@@ -3,7 +3,8 @@
 What runs here: ``NxdiRunner`` driving ``NxdiContractModel`` (the library's ``forward(input_ids,
 attention_mask, position_ids, seq_ids)`` semantics on the CPU reference model, padding and seq_id
 handling included) inside the real ``EngineCore``, for Llama, Mistral (sliding window shorter than the
-sequences) and Mixtral. Nothing here runs on a Neuron device.
+sequences), Mixtral, Qwen2, Qwen3, Qwen3-MoE and Gemma 3 (text and vision-language, as NxD Inference
+serves them: ``test_families.TINY``). Nothing here runs on a Neuron device.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import torch
 
 from neuron_lmi.backends.common import eos_ids_for
 from neuron_lmi.backends.cpu.runner import CpuRunner
+from neuron_lmi.backends.nxdi.backend import build_nxdi_runner
 from neuron_lmi.backends.nxdi.plan import ON_DEVICE_SAMPLING
-from neuron_lmi.backends.nxdi.runner import NxdiRunner, build_nxdi_runner
+from neuron_lmi.backends.nxdi.runner import NxdiRunner
+from neuron_lmi.backends.registry import BuildRequest
 from neuron_lmi.config import load_config
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.models import build_model
@@ -26,6 +29,7 @@ from neuron_lmi.runners.base import DeviceSampling, RunnerCapabilities
 from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
 from neuron_lmi.testing.nxdi_contract import NxdiContractModel
 from tests.backends.conftest import run_schedule
+from tests.backends.nxdi.test_families import TINY, tiny_checkpoint
 
 N_ROWS, N_POSITIONS = 4, 64
 # (step the request joins at, prompt length, max_new_tokens): five requests share four rows, a 1-token
@@ -35,10 +39,9 @@ SCHEDULE = [(0, 5, 6), (0, 20, 7), (2, 1, 5), (3, 9, 9), (3, 3, 3), (6, 12, 5)]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "mixtral"])
+@pytest.fixture(scope="module", params=list(TINY))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    extra: dict[str, Any] = {"sliding_window": 8} if request.param in ("mistral", "mixtral") else {}
-    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch=request.param, **extra)
+    return tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, N_POSITIONS)
 
 
 def load(folder: Path) -> tuple[Any, Any, list[int]]:
@@ -88,7 +91,7 @@ def test_nxdi_runner_on_the_contract_matches_the_cpu_engine(
     if not device:
         props.write_text(props.read_text() + "option.on_device_sampling=false\n", encoding="utf-8")
     resolved = load_config(properties_path=props, env={})
-    runner = build_nxdi_runner(resolved.config, str(checkpoint), cache=None, model=contract)
+    runner = build_nxdi_runner(BuildRequest(resolved, {}, "neuron-nxdi", 1), checkpoint, model=contract)
     assert (runner.capabilities.device_sampling is not None) is device
     got = run_schedule(EngineCore(runner, tokenizer, eos), SCHEDULE, logprobs=not device)
 

@@ -7,6 +7,7 @@ Makefile target unsets both variables), so no other test sees stand-in hardware 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.backends.nxdi.test_families import TINY
 from tests.backends.nxdi_library import library
 
 HERE = Path(__file__).parent
@@ -47,6 +49,24 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+def _tree_release() -> tuple[int, int] | None:
+    """The release of the tree under test, read before anything imports it (None: the tier skips)."""
+    from neuron_lmi.backends.nxdi.support import release
+
+    return None if library.skip_reason() is not None else release(library.tree_version())
+
+
+def _starts_later(model_type: str, found: tuple[int, int] | None) -> bool:
+    from neuron_lmi.backends.nxdi.support import LAST_INF2_TRN1, STARTS_AT_0_9
+
+    return model_type in STARTS_AT_0_9 and found is not None and found <= LAST_INF2_TRN1
+
+
+# The families the release under test has an application for (0.8.0 has no Gemma 3:
+# ``test_model_checks.py`` checks its refusal).
+ARCHES = tuple(a for a in TINY if not _starts_later(a, _tree_release()))
+
+
 def platform() -> str:
     import os
 
@@ -59,6 +79,16 @@ def served(model_type: str) -> bool:
     from neuron_lmi.backends.nxdi.support import ENDS_AT_0_8, release
 
     return model_type not in ENDS_AT_0_8 or (release(library.library_version()) or (0, 9)) <= (0, 8)
+
+
+def start_up_refusal(model_type: str) -> str | None:
+    """What ``serve`` in the CPU mode says when it refuses ``model_type`` on the release under test: the
+    release to pin (Mixtral on 0.9+), or why the CPU mode cannot run the application (Qwen3-MoE)."""
+    from neuron_lmi.backends.nxdi.applications import APPLICATIONS
+
+    if not served(model_type):
+        return "pin Neuron SDK 2.28"
+    return "cannot run on the CPU" if APPLICATIONS[model_type].no_cpu_mode else None
 
 
 # Mixtral's modeling file is the same in 0.8.0 and 0.9.0 (models/mixtral/modeling_mixtral.py); where
@@ -74,10 +104,38 @@ def nxdi_plan(checkpoint: Path, rows: int, n_positions: int, extra: str = "", ov
 
     model_type = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))["model_type"]
     if served(model_type):
-        return _plan(checkpoint, rows, n_positions, extra, overrides)
+        return cpu_check(checkpoint, rows, n_positions, extra, overrides)
     with pytest.raises(UnsupportedReleaseError, match=r"pin Neuron SDK 2\.28"):
         _plan(checkpoint, rows, n_positions, extra, overrides)
-    return _plan(checkpoint, rows, n_positions, extra, overrides, SERVING_RELEASE, None)
+    return cpu_check(checkpoint, rows, n_positions, extra, overrides, SERVING_RELEASE, None)
+
+
+# Where the product refuses the CPU mode (``Application.no_cpu_mode``: Qwen3-MoE's module markers, XLA
+# custom calls), the tier still runs the application's code here: the stand-ins give the markers the
+# value a device gives them, their operand (``library``), and the plan is the device plan with the one
+# bucket ``to_cpu`` builds, as the product's CPU mode would plan it.
+def cpu_check(
+    checkpoint: Path, rows: int, n_positions: int, extra: str, overrides: str, *release: Any
+) -> tuple[Any, Any]:
+    from neuron_lmi.backends.nxdi.applications import APPLICATIONS
+
+    model_type = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))["model_type"]
+    refusal = APPLICATIONS[model_type].no_cpu_mode
+    if not refusal:
+        return _plan(checkpoint, rows, n_positions, extra, overrides, *release)
+    with pytest.raises(ValueError, match=r"on_cpu=true: .* cannot run on the CPU: its decoder layers"):
+        _plan(checkpoint, rows, n_positions, extra, overrides, *release)
+    device, config = _plan(checkpoint, rows, n_positions, extra, overrides, *release, on_cpu=False)
+    one = [n_positions]
+    kwargs = {**device.neuron_config, "on_cpu": True, "context_encoding_buckets": one}
+    kwargs["token_generation_buckets"] = one
+    return dataclasses.replace(
+        device,
+        neuron_config=kwargs,
+        on_cpu=True,
+        context_buckets=(n_positions,),
+        token_buckets=(n_positions,),
+    ), config
 
 
 def _plan(
@@ -88,6 +146,7 @@ def _plan(
     overrides: str,
     version: str | None = None,
     chip: str | None = "",
+    on_cpu: bool = True,
 ) -> Any:
     from neuron_lmi.backends.nxdi.plan import plan_nxdi
     from neuron_lmi.config import load_config
@@ -97,7 +156,7 @@ def _plan(
     props.write_text(
         f"option.model_id={checkpoint}\noption.model_loader=nxdi\noption.max_rolling_batch_size={rows}\n"
         f"option.n_positions={n_positions}\noption.dtype=fp32\noption.tensor_parallel_degree=1\n"
-        f'option.override_neuron_config={{"on_cpu": true{overrides}}}\n{extra}',
+        f'option.override_neuron_config={{"on_cpu": {str(on_cpu).lower()}{overrides}}}\n{extra}',
         encoding="utf-8",
     )
     config = load_config(properties_path=props, env={}).config

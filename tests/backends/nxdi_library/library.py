@@ -12,6 +12,15 @@ of those names resolves to a module whose every attribute is a subclassable, cal
 things the library does read off them on the CPU are kept faithful: ``torch_neuronx.utils.
 get_platform_target`` honours ``NEURON_PLATFORM_TARGET_OVERRIDE`` (as the real one does before probing a
 device), and ``torch.classes.neuron`` exists (the real ``torch_neuronx`` registers it).
+
+One application's forward does call into them: Qwen3-MoE's decoder layers (0.8.0 and 0.9.0) pass their
+hidden states through ``ModuleMarkerStart``/``EndWrapper`` (``models/layer_boundary_marker.py``), whose
+``forward_impl`` is an ``xla_hlo_call``: a custom call that hands the compiler a layer boundary and
+returns its operand (its HLO's result type is the operand's). The real ``torch_xla`` runs such a call on
+XLA tensors only, so the library's own CPU mode cannot run that model and the product refuses it there
+(``Application.no_cpu_mode``); here those two calls return their operand, as on a device, so the tier
+checks the rest of the application's code. Every other ``xla_hlo_call`` stays a stand-in that fails on
+use.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ PACKAGES = {
 }
 HARDWARE_PACKAGES = ("torch_xla", "torch_neuronx", "libneuronxla", "neuronxcc", "nki", "nkilib")
 PLATFORM_VAR = "NEURON_PLATFORM_TARGET_OVERRIDE"
+# xla_hlo_call functions whose value on a device is their operand (compiler hints).
+IDENTITY_CALLS = frozenset({"ModuleMarkerStart.forward_impl", "ModuleMarkerEnd.forward_impl"})
 
 
 def skip_reason(env: Mapping[str, str] | None = None) -> str | None:
@@ -116,6 +127,19 @@ class _HardwarePackages(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         if module.__name__ == "torch_neuronx.utils":
             module.get_platform_target = lambda: os.environ[PLATFORM_VAR]  # type: ignore[attr-defined]
+        if module.__name__ == "torch_neuronx.xla_impl.base":
+            module.xla_hlo_call = _xla_hlo_call  # type: ignore[attr-defined]
+
+
+def _operand(*args: Any) -> Any:
+    return args[0] if len(args) == 1 else args
+
+
+def _xla_hlo_call(opfn: Any) -> Any:
+    """A module marker's device value (its operand); any other custom call a stand-in that fails on use."""
+    if getattr(opfn, "__qualname__", "") in IDENTITY_CALLS:
+        return _operand
+    return _stand_in("xla_hlo_call")(opfn)
 
 
 def tree_version(env: Mapping[str, str] | None = None) -> str:

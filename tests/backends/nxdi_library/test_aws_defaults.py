@@ -1,9 +1,10 @@
 """AWS's serving defaults against the library: fused QKV is on exactly where the application's weight
-conversion fuses Q/K/V.
+conversion fuses Q/K/V (``Application.fuses_qkv``).
 
-Only ``NeuronLlamaForCausalLM`` converts q/k/v weights into ``Wqkv`` (0.8.0 and 0.9.0); 0.9's Mistral
-application and both releases' Mixtral keep them apart, and their fused projection then finds no
-weights (``KeyError`` naming ``Wqkv``). A Mistral on 0.8 runs on the Llama application and fuses.
+The Llama, Qwen2 and Qwen3-MoE applications convert q/k/v weights into ``Wqkv`` (0.8.0 and 0.9.0), as
+do 0.9's Qwen3 and Gemma 3; 0.9's Mistral application, 0.8's Qwen3 and both releases' Mixtral keep them
+apart, and their fused projection then finds no weights (``KeyError`` naming ``Wqkv``). A Mistral on
+0.8 runs on the Llama application and fuses.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from neuron_lmi.backends.nxdi.defaults import FUSED_QKV_APPLICATIONS
 from neuron_lmi.backends.nxdi.runner import on_cpu_application
-from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
-from tests.backends.nxdi_library.conftest import nxdi_plan, probe_forward
+from tests.backends.nxdi.test_families import tiny_checkpoint
+from tests.backends.nxdi_library.conftest import ARCHES, nxdi_plan, probe_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread", "cpu_forward")
 
@@ -29,11 +29,11 @@ def fused_weights(app: Any) -> bool:
     return all(".Wqkv." in name for name in names)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "mixtral"])
+@pytest.mark.parametrize("arch", ARCHES)
 def test_fused_qkv_is_on_where_the_library_fuses_the_weights(arch: str, tmp_path: Path) -> None:
-    checkpoint = make_tiny_checkpoint(tmp_path / arch, arch=arch)
+    checkpoint = tiny_checkpoint(tmp_path / arch, arch, 32)
     plan, _ = nxdi_plan(checkpoint, 2, 32)
-    fuses = plan.application.application in FUSED_QKV_APPLICATIONS
+    fuses = plan.application.fuses_qkv
     assert plan.neuron_config["fused_qkv"] is fuses
     app = on_cpu_application(plan)
     assert fused_weights(app) is fuses

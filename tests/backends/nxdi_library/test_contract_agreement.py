@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -20,18 +19,17 @@ import torch
 from neuron_lmi.backends.nxdi.runner import on_cpu_application
 from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint
-from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
 from neuron_lmi.testing.nxdi_contract import NxdiContractModel
-from tests.backends.nxdi_library.conftest import nxdi_plan
+from tests.backends.nxdi.test_families import tiny_checkpoint
+from tests.backends.nxdi_library.conftest import ARCHES, nxdi_plan
 
 ROWS, N_POSITIONS, CALLS = 4, 32, 48
 pytestmark = pytest.mark.usefixtures("one_thread", "cpu_forward")
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "mixtral"])
+@pytest.fixture(scope="module", params=ARCHES)
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    extra: dict[str, Any] = {"sliding_window": 8} if request.param != "llama" else {}
-    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch=request.param, **extra)
+    return tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, N_POSITIONS)
 
 
 def call_sequence(seed: int, vocab: int) -> list[dict[str, torch.Tensor]]:

@@ -26,8 +26,9 @@ from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint, load_tokenizer
 from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
 from tests.backends.conftest import run_schedule
+from tests.backends.nxdi.test_families import tiny_checkpoint
 from tests.backends.nxdi_library import library
-from tests.backends.nxdi_library.conftest import nxdi_plan, served
+from tests.backends.nxdi_library.conftest import ARCHES, nxdi_plan, start_up_refusal
 from tests.server.conftest import free_port, start_server
 
 ROWS, N_POSITIONS = 4, 64
@@ -35,10 +36,9 @@ SCHEDULE = [(0, 5, 6), (0, 20, 7), (2, 1, 5), (3, 9, 9), (3, 2, 3), (6, 12, 5), 
 pytestmark = pytest.mark.usefixtures("one_thread", "cpu_forward")
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "mixtral"])
+@pytest.fixture(scope="module", params=ARCHES)
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    extra: dict[str, Any] = {"sliding_window": 8} if request.param != "llama" else {}
-    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch=request.param, **extra)
+    return tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, N_POSITIONS)
 
 
 def reference(checkpoint: Path, plan: Any) -> tuple[Any, Any, list[int]]:
@@ -101,10 +101,11 @@ def test_the_server_on_the_library_answers_concurrent_completions(checkpoint: Pa
     )
     launcher = [sys.executable, str(Path(__file__).with_name("launch_server.py"))]
     args = ["--backend", "neuron", "--properties", str(props)]
-    if not served(plan.model_type):  # refused at start-up, naming the release to pin; exit status 2
+    refused = start_up_refusal(plan.model_type)
+    if refused:  # refused at start-up, naming why; exit status 2
         command = [*launcher, "serve", "--model", str(checkpoint), *args]
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2 and "pin Neuron SDK 2.28" in done.stderr, done.stderr[-2000:]
+        assert done.returncode == 2 and refused in done.stderr, done.stderr[-2000:]
         return
     # This process's own gloo group holds its MASTER_PORT: the server gets another.
     server = start_server(checkpoint, tmp_path, args, env={"MASTER_PORT": str(free_port())}, command=launcher)

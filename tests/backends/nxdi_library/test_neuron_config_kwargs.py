@@ -2,10 +2,11 @@
 
 Representative deployments (Llama-2-70B at tp 24 on inf2, Mistral-7B with int8 weights and LMI keys,
 Mixtral-8x7B at tp 32, Llama-3-8B on trn2 with LNC 2 and overrides, on-device sampling, AWS's tuned
-trn2 set for Llama-3.3-70B (``option.nxdi_profile=trn2-tuned``), the CPU mode)
-are planned for the release under test and built through ``new_application`` from a folder holding
-only ``config.json``: the library must log no "Unexpected keyword arguments" and keep every value.
-Run the tier once per release (0.9.0 = 4bcdc54, 0.8.0 = cd3abf3) to check both.
+trn2 set for Llama-3.3-70B (``option.nxdi_profile=trn2-tuned``), the CPU mode, Qwen2.5-7B, Qwen3-8B,
+Qwen3-30B-A3B and, from 0.9, Gemma-3-27B's vision-language checkpoint) are planned for the release
+under test and built through ``new_application`` from a folder holding only ``config.json``: the
+library must log no "Unexpected keyword arguments" and keep every value. Run the tier once per release
+(0.9.0 = 4bcdc54, 0.8.0 = cd3abf3) to check both.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import pytest
 import torch
 
 from neuron_lmi.backends.nxdi.artifacts import new_application
+from neuron_lmi.backends.nxdi.model_checks import text_config
 from neuron_lmi.backends.nxdi.plan import plan_nxdi
 from neuron_lmi.backends.nxdi.support import UnsupportedReleaseError
 from neuron_lmi.config import load_config
+from tests.backends.nxdi.test_families import GEMMA_3_27B, QWEN2_5_7B, QWEN3_8B, QWEN3_30B_A3B
 from tests.backends.nxdi.test_plan import (
     LLAMA_2_70B,
     LLAMA_3_3_70B,
@@ -31,6 +34,7 @@ from tests.backends.nxdi.test_plan import (
     model_dir,
 )
 from tests.backends.nxdi_library import library
+from tests.backends.nxdi_library.conftest import ARCHES
 
 BASE = "option.model_loader=nxdi\n"
 DEPLOYMENTS = {
@@ -70,7 +74,21 @@ DEPLOYMENTS = {
         "option.tensor_parallel_degree=1\noption.max_rolling_batch_size=2\noption.dtype=fp32\n"
         'option.n_positions=256\noption.override_neuron_config={"on_cpu": true}\n',
     ),
+    "qwen2.5-7b-tp4": (
+        QWEN2_5_7B,
+        "option.tensor_parallel_degree=4\noption.max_rolling_batch_size=8\noption.n_positions=4096\n",
+    ),
+    "qwen3-8b-tp8": (QWEN3_8B, "option.tensor_parallel_degree=8\noption.max_rolling_batch_size=8\n"),
+    "qwen3-30b-a3b-tp16": (
+        QWEN3_30B_A3B,
+        "option.tensor_parallel_degree=16\noption.max_rolling_batch_size=8\noption.n_positions=4096\n",
+    ),
 }
+if "gemma3" in ARCHES:  # 0.9+: within its sliding window of 1024
+    DEPLOYMENTS["gemma-3-27b-tp16"] = (
+        GEMMA_3_27B,
+        "option.tensor_parallel_degree=16\noption.max_rolling_batch_size=8\noption.n_positions=1024\n",
+    )
 
 
 def plan_for(tmp_path: Path, config: dict[str, Any], properties: str) -> Any:
@@ -92,7 +110,8 @@ def test_the_library_takes_every_keyword_we_pass(
 ) -> None:
     config, properties = DEPLOYMENTS[name]
     plan = plan_for(tmp_path, config, properties)
-    assert plan.ignored.keys() <= {"option.group_query_attention"}  # nothing else dropped or refused
+    # nothing else dropped or refused (config.json fields an application does not honour: model_checks)
+    assert {k for k in plan.ignored if not k.startswith("config.json ")} <= {"option.group_query_attention"}
     with caplog.at_level(logging.DEBUG):
         app = new_application(plan, quantized_dir=tmp_path / "quantized")
     unexpected = [r.getMessage() for r in caplog.records if "Unexpected keyword" in r.getMessage()]
@@ -107,7 +126,8 @@ def test_the_library_takes_every_keyword_we_pass(
         for key, value in plan.neuron_config["on_device_sampling_config"].items():
             assert getattr(sampling, key) == value, key
         assert built.output_logits is True and plan.device_sampling() is not None
-    assert app.config.head_dim == config["hidden_size"] // config["num_attention_heads"]
+    text = text_config(config)
+    assert app.config.head_dim == text.get("head_dim", text["hidden_size"] // text["num_attention_heads"])
     assert built.torch_dtype == plan.kwargs()["torch_dtype"]
     assert isinstance(built.torch_dtype, torch.dtype)
 

@@ -188,7 +188,7 @@ def test_compile_spec_from_config_takes_every_neuron_option(tiny_llama_dir: Path
     """The one spec builder serve and ``neuron-lmi compile --target neuron`` share."""
     import json
 
-    from neuron_lmi.backends.tnx.runner import compile_spec_from_config
+    from neuron_lmi.backends.tnx.args import compile_spec_from_config
     from neuron_lmi.config import load_config
 
     model = tmp_path / "config-only"  # a dry run's model folder may hold only config.json

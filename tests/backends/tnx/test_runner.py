@@ -19,7 +19,10 @@ import torch
 from compile_cache import CompileCache
 from neuron_lmi.backends.common import eos_ids_for
 from neuron_lmi.backends.cpu.runner import CpuRunner
-from neuron_lmi.backends.tnx.runner import NeuronRunner, build_neuron_runner, compile_spec_from_config
+from neuron_lmi.backends.registry import BuildRequest
+from neuron_lmi.backends.tnx.args import compile_spec_from_config
+from neuron_lmi.backends.tnx.backend import build_neuron_runner
+from neuron_lmi.backends.tnx.runner import NeuronRunner
 from neuron_lmi.config import load_config
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.models import build_model
@@ -72,7 +75,7 @@ def test_neuron_runner_on_the_contract_matches_the_cpu_engine(tiny, tiny_llama_d
     device_model = apply_tensor_parallel(model, tp, batch_size=N_ROWS) if tp > 1 else model
     contract = ContractModel(device_model, N_ROWS, N_POSITIONS, context_length_estimate=(8, 16))
     resolved = load_config(properties_path=write_properties(tmp_path, tiny_llama_dir))
-    runner = build_neuron_runner(resolved.config, str(tiny_llama_dir), cache=None, model=contract)
+    runner = build_neuron_runner(BuildRequest(resolved, {}, "neuron-tnx", 1), tiny_llama_dir, model=contract)
     got = run_schedule(EngineCore(runner, tokenizer, eos), SCHEDULE)
 
     assert got == expected
@@ -177,7 +180,12 @@ def test_serving_properties_map_to_exact_library_arguments(tiny_llama_dir, tmp_p
     )  # fmt: skip
     resolved = load_config(properties_path=props, env={})
     cache = CompileCache(tmp_path / "store")
-    runner = build_neuron_runner(resolved.config, str(tiny_llama_dir), cache, compiler_version="2.15-test")
+    runner = build_neuron_runner(
+        BuildRequest(resolved, {}, "neuron-tnx", 1),
+        tiny_llama_dir,
+        compiler_version="2.15-test",
+        cache_dir=str(cache.root),
+    )
 
     # Miss: one model is built, compiled into the store's staging folder, and served as it is: the
     # entry is not loaded into a second model (that would read every weight twice).
@@ -204,7 +212,12 @@ def test_serving_properties_map_to_exact_library_arguments(tiny_llama_dir, tmp_p
 
     # A second start-up hits the cache: nothing compiles; the NEFFs are loaded into one model.
     fake_library.created.clear()
-    build_neuron_runner(resolved.config, str(tiny_llama_dir), cache, compiler_version="2.15-test")
+    build_neuron_runner(
+        BuildRequest(resolved, {}, "neuron-tnx", 1),
+        tiny_llama_dir,
+        compiler_version="2.15-test",
+        cache_dir=str(cache.root),
+    )
     (again,) = fake_library.created
     (entry,) = cache.list()
     assert [e[0] for e in again.events] == ["env", "load", "to_neuron"]
@@ -220,7 +233,7 @@ def test_default_context_buckets_reach_n_positions(tiny, tiny_llama_dir, tmp_pat
     props.write_text("\n".join(lines) + "\n")
     resolved = load_config(properties_path=props, env={})
     contract = ContractModel(model, N_ROWS, N_POSITIONS)
-    runner = build_neuron_runner(resolved.config, str(tiny_llama_dir), cache=None, model=contract)
+    runner = build_neuron_runner(BuildRequest(resolved, {}, "neuron-tnx", 1), tiny_llama_dir, model=contract)
     assert runner.max_context == N_POSITIONS
     row = runner.rows.allocate()
     runner.prefill([row], [list(range(3, 3 + N_POSITIONS - 8))])
@@ -238,8 +251,10 @@ def test_default_buckets_and_max_tp(tiny_llama_dir, tmp_path) -> None:
 
 def test_without_the_sdk_start_up_names_the_packages(tiny_llama_dir, tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers_neuronx", None)
-    config = load_config(properties_path=write_properties(tmp_path, tiny_llama_dir), env={}).config
+    resolved = load_config(properties_path=write_properties(tmp_path, tiny_llama_dir), env={})
     with pytest.raises(RuntimeError) as exc:
-        build_neuron_runner(config, str(tiny_llama_dir), CompileCache(tmp_path / "store"))
+        build_neuron_runner(
+            BuildRequest(resolved, {}, "neuron-tnx", 1), tiny_llama_dir, cache_dir=str(tmp_path / "store")
+        )
     for name in ("transformers-neuronx", "torch-neuronx", "neuronx-cc", "pip.repos.neuron.amazonaws.com"):
         assert name in str(exc.value)
