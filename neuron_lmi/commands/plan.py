@@ -122,9 +122,8 @@ def _nxdi_release(args: argparse.Namespace, model: ModelSpec) -> dict[str, Any] 
     if not (args.platform or args.nxdi_version):
         return None
     platform, version, source = nxdi_target(args.platform, "--platform", args.nxdi_version, os.environ)
-    model_type = "mixtral" if model.n_experts else "llama"  # what the SDK matrix asks of a model
-    version, source = library_release(version, platform, model_type, source)
-    check_release(version, platform.name, model_type)
+    version, source = library_release(version, platform, model.model_type, source)
+    check_release(version, platform.name, model.model_type)
     return {
         "platform": platform.name,
         "platform_source": platform.source,

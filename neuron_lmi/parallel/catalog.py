@@ -66,6 +66,7 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     n_experts: int = 0  # 0: a dense MLP; else MoE experts per layer, each of intermediate_size
     experts_per_token: int = 0
+    model_type: str = "llama"  # config.json's model_type: what the SDK matrix asks of a model
 
     def __post_init__(self) -> None:
         if self.n_experts:
@@ -139,12 +140,24 @@ PRESETS: dict[str, ModelSpec] = {
         ModelSpec("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
         ModelSpec("llama-2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
         ModelSpec("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
-        ModelSpec("mistral-7b", 32, 4096, 32, 8, 14336, 32000, 32768),
-        ModelSpec("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 32768, n_experts=8, experts_per_token=2),
-        ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 32768),
-        ModelSpec("qwen2.5-72b", 80, 8192, 64, 8, 29568, 152064, 32768),
-        ModelSpec("qwen3-8b", 36, 4096, 32, 8, 12288, 151936, 40960, head_dim=128),
-        ModelSpec("qwen3-32b", 64, 5120, 64, 8, 25600, 151936, 40960, head_dim=128),
+        ModelSpec("mistral-7b", 32, 4096, 32, 8, 14336, 32000, 32768, model_type="mistral"),
+        ModelSpec(
+            "mixtral-8x7b",
+            32,
+            4096,
+            32,
+            8,
+            14336,
+            32000,
+            32768,
+            n_experts=8,
+            experts_per_token=2,
+            model_type="mixtral",
+        ),
+        ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 32768, model_type="qwen2"),
+        ModelSpec("qwen2.5-72b", 80, 8192, 64, 8, 29568, 152064, 32768, model_type="qwen2"),
+        ModelSpec("qwen3-8b", 36, 4096, 32, 8, 12288, 151936, 40960, head_dim=128, model_type="qwen3"),
+        ModelSpec("qwen3-32b", 64, 5120, 64, 8, 25600, 151936, 40960, head_dim=128, model_type="qwen3"),
         ModelSpec(
             "qwen3-30b-a3b",
             48,
@@ -157,6 +170,7 @@ PRESETS: dict[str, ModelSpec] = {
             head_dim=128,
             n_experts=128,
             experts_per_token=8,
+            model_type="qwen3_moe",
         ),
         ModelSpec(
             "qwen3-235b-a22b",
@@ -170,12 +184,33 @@ PRESETS: dict[str, ModelSpec] = {
             head_dim=128,
             n_experts=128,
             experts_per_token=8,
+            model_type="qwen3_moe",
         ),
         ModelSpec(
-            "gemma-3-12b", 48, 3840, 16, 8, 15360, 262208, 131072, head_dim=256, tie_word_embeddings=True
+            "gemma-3-12b",
+            48,
+            3840,
+            16,
+            8,
+            15360,
+            262208,
+            131072,
+            head_dim=256,
+            tie_word_embeddings=True,
+            model_type="gemma3",
         ),
         ModelSpec(
-            "gemma-3-27b", 62, 5376, 32, 16, 21504, 262208, 131072, head_dim=128, tie_word_embeddings=True
+            "gemma-3-27b",
+            62,
+            5376,
+            32,
+            16,
+            21504,
+            262208,
+            131072,
+            head_dim=128,
+            tie_word_embeddings=True,
+            model_type="gemma3",
         ),
     )
 }
@@ -265,4 +300,5 @@ def model_spec_from_config(config: dict[str, Any], name: str = "model") -> Model
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         n_experts=config.get("num_local_experts") or config.get("num_experts") or 0,
         experts_per_token=config.get("num_experts_per_tok") or 0,
+        model_type=model_type,
     )

@@ -95,6 +95,9 @@ def test_a_platform_limits_the_instances_and_names_the_release(capsys, monkeypat
     assert [p["instance"] for p in data["instances"]] == ["trn2.48xlarge"]
     code, out, _ = _run(capsys, "--model", "mixtral-8x7b", "--platform", "trn2")
     assert code == 0 and "NxD Inference 0.8.0 (assumed: not installed, the last release with mixtral)" in out
+    # A MoE model that is not Mixtral is asked of the matrix as itself: Qwen3-MoE runs on 0.9.
+    code, out, _ = _run(capsys, "--model", "qwen3-30b-a3b", "--platform", "trn2")
+    assert code == 0 and "NxD Inference 0.9.0" in out and "mixtral" not in out
 
 
 @pytest.mark.parametrize(
@@ -103,6 +106,7 @@ def test_a_platform_limits_the_instances_and_names_the_release(capsys, monkeypat
         (("--model", "mixtral-8x7b", "--platform", "trn2", "--nxdi-version", "0.9"), "has no mixtral"),
         (("--model", "llama-2-70b", "--platform", "inf2", "--nxdi-version", "0.9"), "Trn2 and newer only"),
         (("--model", "llama-2-70b", "--platform", "trn3"), "no trn3 instance"),
+        (("--model", "gemma-3-27b", "--platform", "inf2"), "has no gemma3 application"),
         (
             ("--model", "llama-2-70b", "--platform", "trn1", "--instance", "inf2.xlarge"),
             "not a trn1 instance",
