@@ -50,7 +50,10 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
 
 def with_model_defaults(resolved: ResolvedConfig, path: str | Path) -> ResolvedConfig:
     """``n_positions`` from LMI's smart default, ``min(max_position_embeddings, 4096)``, when no
-    source set it (a fetched model is read only now)."""
+    source set it (a fetched model is read only now). Where a source set it, ``config.json`` is not
+    read: a backend's ``engine`` resolves once and its ``plan`` calls this again on the result."""
+    if resolved.config.batching.n_positions is not None:
+        return resolved
     return apply_model_defaults(resolved, max_position_embeddings(read_config_json(path)))
 
 

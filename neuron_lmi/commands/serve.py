@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from neuron_lmi.config import cli_overrides, format_config, load_config, sagemaker_model_dir, sagemaker_root
 from neuron_lmi.config.options import BACKEND_REQUESTS
 
 if TYPE_CHECKING:
@@ -37,7 +38,6 @@ EXIT_ENGINE_DIED = 3
 EXIT_STARTUP_FAILED = 1
 LOOPBACK = "127.0.0.1"
 ALL_INTERFACES = "0.0.0.0"
-CPU_DTYPES = ("fp32", "bf16")
 SAGEMAKER_PORT_VAR = "SAGEMAKER_BIND_TO_PORT"
 # SageMaker sends SIGKILL 30 s after SIGTERM. The stop is: HTTP drain (uvicorn's graceful timeout),
 # then the engine's stop (its own grace, then up to 5 s joining its thread): 20 + 3 + 5 < 30.
@@ -90,8 +90,6 @@ def sagemaker_mode(resolved: ResolvedConfig, env: Mapping[str, str]) -> bool:
     root (``/opt/ml``) present, or serving.properties read from its model folder. ``SM_MODEL_DIR``
     is no sign: SageMaker hosting does not set it.
     """
-    from neuron_lmi.config import sagemaker_model_dir, sagemaker_root
-
     if not _is_default(resolved, "sagemaker"):
         return resolved.config.server.sagemaker
     if env.get(SAGEMAKER_PORT_VAR, "").strip() or sagemaker_root(env).is_dir():
@@ -132,7 +130,7 @@ def stop_timeouts(resolved: ResolvedConfig, sagemaker: bool) -> tuple[float, flo
 
 
 def _requested_backend(resolved: ResolvedConfig) -> str:
-    from neuron_lmi.backends.dispatch import requested_from_lmi
+    from neuron_lmi.backends.dispatch import requested_from_lmi  # the backends bring torch: when serving
 
     cfg = resolved.config
     rolling = cfg.batching.rolling_batch
@@ -148,6 +146,7 @@ def build_engine(resolved: ResolvedConfig, env: Mapping[str, str] | None = None)
     The start-up log names the backend, the library and its version, why it was chosen, and the
     tensor-parallel degree (``max`` resolved to the visible NeuronCores or GPUs).
     """
+    # The backends bring torch: imported when an engine is built, not by ``neuron-lmi --help``.
     from neuron_lmi.backends import registry
     from neuron_lmi.backends.dispatch import choose_backend, probe_host, resolve_tp_degree
 
@@ -203,8 +202,7 @@ def _make_server(app: Any, host: str, port: int, grace_s: float) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuron_lmi.config import cli_overrides, format_config, load_config
-    from neuron_lmi.server import AppOptions, create_app
+    from neuron_lmi.server import AppOptions, create_app  # FastAPI and the engine: only when serving
 
     env = os.environ
     resolved = load_config(cli_overrides(args), args.properties, env)

@@ -39,7 +39,7 @@ from neuron_lmi.engine.types import (
     TokenEvent,
     TopToken,
 )
-from neuron_lmi.models import native
+from neuron_lmi.models import ops
 from neuron_lmi.runners.base import GREEDY_LINE, BatchKind, ModelRunner, StepBatch, capabilities_of
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class EngineCore:
         self.grammars = GrammarCompiler(tokenizer, runner.vocab_size, self._stop_ids)
         # The sampler's draw is a native kernel: built (once per host) or loaded now, at start-up,
         # rather than on the first sampled request.
-        native.kernels()
+        ops.kernels()
         extend = capabilities.extend
         if prefill is None:
             step = min(DEFAULT_STEP_TOKENS, max_prefill_tokens)

@@ -169,7 +169,7 @@ class Scheduler:
         for request in self.running:
             if request.prompt_done:
                 continue
-            n = self.prefill.take(len(request.prompt_ids) - request.prefilled, budget, first=not chunks)
+            n = self._take(len(request.prompt_ids) - request.prefilled, budget, first=not chunks)
             if n == 0:
                 break
             chunks.append(PrefillChunk(request, request.prefilled, request.prefilled + n))
@@ -190,7 +190,7 @@ class Scheduler:
             request = self.waiting[0]
             hit = self.prefix.match(request.prompt_ids, self.running, claimed) if self.prefix else None
             start = hit.length if hit else 0
-            n = self.prefill.take(len(request.prompt_ids) - start, budget, first=not chunks)
+            n = self._take(len(request.prompt_ids) - start, budget, first=not chunks)
             if n == 0:
                 break
             self.waiting.popleft()
@@ -200,6 +200,13 @@ class Scheduler:
             chunks.append(PrefillChunk(request, start, start + n, hit))
             budget -= n
         return admitted
+
+    def _take(self, remaining: int, budget: int, first: bool) -> int:
+        """The policy's chunk, within the longest line one forward takes (a longer prompt goes on
+        in the next steps' chunks)."""
+        n = self.prefill.take(remaining, budget, first)
+        longest = self.capabilities.max_chunk_tokens
+        return n if longest is None else min(n, longest)
 
     # -- rows and batches ---------------------------------------------------------------------
     def next_step(self) -> StepPlan:
@@ -237,19 +244,23 @@ class Scheduler:
     def _batches(
         self, chunks: list[PrefillChunk], decision: SchedulerOutput
     ) -> list[tuple[StepBatch, list[Request]]]:
-        """One EXTEND batch where the runner mixes steps; otherwise one batch per kind: new prompts,
-        continued chunks, decodes (first where every live row must step together,
-        ``RunnerCapabilities.live_rows_step_together``)."""
+        """One EXTEND batch where the runner mixes steps and the step fits one forward
+        (``RunnerCapabilities.mixed_limits``); otherwise one batch per kind: new prompts (in the
+        EXTEND batch where ``prefill_as_extend``), continued chunks, decodes (first where every live
+        row must step together, ``live_rows_step_together``)."""
+        capabilities = self.capabilities
         decode = [_decode_line(r) for r in decision.decode]
-        if self.capabilities.mixed_steps and (chunks or decode):
+        if capabilities.mixed_steps and (chunks or decode):
             lines = [_chunk_line(c) for c in chunks] + decode
-            return [_batch(BatchKind.EXTEND, lines, decodes=len(decode))]
+            limits = capabilities.mixed_limits
+            if limits is None or limits.fits([line[1] for line in lines], [len(line[2]) for line in lines]):
+                return [_batch(BatchKind.EXTEND, lines, decodes=len(decode))]
         batches = []
-        decode_first = self.capabilities.live_rows_step_together
+        decode_first = capabilities.live_rows_step_together or capabilities.mixed_steps
         if decode and decode_first:
             batches.append(_batch(BatchKind.DECODE, decode, len(decode)))
-        fresh = [_chunk_line(c) for c in chunks if c.start == 0]
-        more = [_chunk_line(c) for c in chunks if c.start > 0]
+        fresh = [_chunk_line(c) for c in chunks if c.start == 0 and not capabilities.prefill_as_extend]
+        more = [_chunk_line(c) for c in chunks if c.start > 0 or capabilities.prefill_as_extend]
         if fresh:
             batches.append(_batch(BatchKind.PREFILL, fresh))
         if more:

@@ -65,7 +65,7 @@ def fetch_model(
 
 
 def _builtin_names() -> list[str]:
-    from neuron_lmi.models.builtin import BUILTIN_MODELS
+    from neuron_lmi.models.builtin import BUILTIN_MODELS  # lazily, as in _builtin: torch
 
     return sorted(BUILTIN_MODELS)
 

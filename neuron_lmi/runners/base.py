@@ -99,6 +99,24 @@ class SampledStep:
 
 
 @dataclass(frozen=True, slots=True)
+class MixedStepLimits:
+    """What one mixed forward (an EXTEND batch of decodes beside prompt chunks) takes: at most
+    ``tokens`` tokens in all, every line ending before position ``end``, and the multi-token
+    chunks' attention (query, key) pairs, ``n * start + n * (n + 1) / 2`` each, within ``pairs``
+    (None: any). A step past them is cut by the scheduler into a DECODE and an EXTEND batch."""
+
+    tokens: int
+    pairs: int | None
+    end: int
+
+    def fits(self, starts: Sequence[int], lengths: Sequence[int]) -> bool:
+        spans = list(zip(starts, lengths, strict=True))
+        if sum(lengths) > self.tokens or max(s + n for s, n in spans) >= self.end:
+            return False
+        return self.pairs is None or sum(n * s + n * (n + 1) // 2 for s, n in spans if n > 1) <= self.pairs
+
+
+@dataclass(frozen=True, slots=True)
 class RunnerCapabilities:
     """What a runner can do and what it asks of the step; read once when the engine is built.
 
@@ -114,6 +132,12 @@ class RunnerCapabilities:
     puts the decodes before the step's new prompts, so a row being prefilled is never live during
     a decode and every running request steps in it.
     ``device_sampling``: the device draws the tokens (``forward_sampled``); None: logits only.
+
+    What one forward takes, so that the scheduler cuts each step into batches the runner computes as
+    they come (a runner never splits or re-routes a batch): ``max_chunk_tokens``, the longest line
+    (None: any; prompts longer are split into chunks, which needs ``extend``); ``mixed_limits``,
+    what one mixed EXTEND batch holds (None: any step); ``prefill_as_extend``, new prompts go in
+    EXTEND batches from position 0 (a runner whose fast path is its extend graph), not PREFILL.
     """
 
     extend: bool = False
@@ -121,10 +145,19 @@ class RunnerCapabilities:
     prompt_logits: bool = False
     live_rows_step_together: bool = False
     device_sampling: DeviceSampling | None = None
+    max_chunk_tokens: int | None = None
+    mixed_limits: MixedStepLimits | None = None
+    prefill_as_extend: bool = False
 
     def __post_init__(self) -> None:
         if self.mixed_steps and not self.extend:
             raise ValueError("mixed_steps needs extend: a mixed step is one EXTEND batch")
+        if (self.max_chunk_tokens is not None or self.prefill_as_extend) and not self.extend:
+            raise ValueError("max_chunk_tokens and prefill_as_extend need extend: prompts go in chunks")
+        if self.max_chunk_tokens is not None and self.max_chunk_tokens < 1:
+            raise ValueError(f"max_chunk_tokens must be >= 1, got {self.max_chunk_tokens}")
+        if self.mixed_limits is not None and not self.mixed_steps:
+            raise ValueError("mixed_limits need mixed_steps")
 
 
 class ModelRunner(Protocol):

@@ -10,7 +10,7 @@ from neuron_lmi.engine.prefix import PrefixHit, PrefixIndex, common_prefix
 from neuron_lmi.engine.request import Request, Status
 from neuron_lmi.engine.scheduler import ChunkedPrefill, Scheduler, WholePrompts
 from neuron_lmi.engine.types import SamplingParams
-from neuron_lmi.runners.base import BatchKind, RunnerCapabilities
+from neuron_lmi.runners.base import BatchKind, MixedStepLimits, RunnerCapabilities
 
 
 def req(name: str, n_prompt: int) -> Request:
@@ -247,3 +247,66 @@ def test_a_failed_placement_is_reported_not_raised():
 def test_capabilities_refuse_mixed_steps_without_extend():
     with pytest.raises(ValueError, match="mixed_steps needs extend"):
         RunnerCapabilities(mixed_steps=True)
+    with pytest.raises(ValueError, match="need extend"):
+        RunnerCapabilities(max_chunk_tokens=16)
+    with pytest.raises(ValueError, match="need extend"):
+        RunnerCapabilities(prefill_as_extend=True)
+    with pytest.raises(ValueError, match="need mixed_steps"):
+        RunnerCapabilities(extend=True, mixed_limits=MixedStepLimits(8, None, 256))
+
+
+def test_no_line_is_longer_than_one_forward_takes_whatever_the_policy():
+    """``max_chunk_tokens``: a prompt past it goes on in later steps' chunks, under ChunkedPrefill
+    and under WholePrompts alike, so the runner never cuts a line."""
+    capabilities = RunnerCapabilities(extend=True, max_chunk_tokens=40)
+    for policy in (ChunkedPrefill(step_tokens=64, min_chunk=8), WholePrompts(4096)):
+        sched = Scheduler(4096, prefill=policy, rows=RowTable(4, 256), capabilities=capabilities)
+        a = req("a", 100)
+        sched.add(a)
+        spans = []
+        while not a.prompt_done:
+            plan = sched.next_step()
+            spans += [(batch.starts[0], len(batch.chunks[0])) for batch, _ in plan.batches]
+        assert spans == [(0, 40), (40, 40), (80, 20)]
+
+
+def test_a_mixed_step_past_the_runners_limits_comes_as_decodes_then_chunks():
+    """``mixed_limits``: a step that fits is one EXTEND batch; one that does not is cut by the
+    scheduler into a DECODE batch and an EXTEND batch, so the runner does not re-route lines."""
+    limits = MixedStepLimits(tokens=30, pairs=None, end=256)
+    mixed = RunnerCapabilities(extend=True, mixed_steps=True, mixed_limits=limits, prefill_as_extend=True)
+    sched, rows = stepping(mixed)
+    a = req("a", 10)
+    place_decoding(sched, rows, a, n_out=3)
+    small = req("small", 20)  # 20 + 1 decode <= 30: one forward
+    sched.add(small)
+    ((batch, requests),) = sched.next_step().batches
+    assert batch.kind is BatchKind.EXTEND and requests == [small, a] and batch.decodes == 1
+    rows.set_length(small.row, 20)
+    big = req("big", 60)  # 60 tokens (the step's budget less the decodes) do not fit
+    sched.add(big)
+    plan = sched.next_step()
+    assert [batch.kind for batch, _ in plan.batches] == [BatchKind.DECODE, BatchKind.EXTEND]
+    (decode, decoders), (chunk, chunked) = plan.batches
+    assert set(decoders) == {a, small} and decode.decodes == 2
+    assert chunked == [big] and chunk.starts == (0,) and chunk.decodes == 0
+    assert limits.fits([0, 12], [29, 1]) and not limits.fits([0, 12], [30, 1])
+    assert not MixedStepLimits(tokens=30, pairs=None, end=13).fits([12], [1])  # the cache's last slot
+    assert not MixedStepLimits(tokens=99, pairs=100, end=256).fits([10, 3], [8, 1])  # 8 * 10 + 36 pairs
+
+
+def test_prefill_as_extend_sends_new_prompts_in_the_extend_batch():
+    capabilities = RunnerCapabilities(extend=True, prefill_as_extend=True)
+    sched, rows = stepping(capabilities, step_tokens=48)
+    a = req("a", 10)
+    place_decoding(sched, rows, a)
+    b = req("b", 60)
+    sched.add(b)
+    sched.next_step()
+    rows.set_length(b.row, 47)
+    c = req("c", 5)
+    sched.add(c)
+    plan = sched.next_step()
+    assert [batch.kind for batch, _ in plan.batches] == [BatchKind.EXTEND, BatchKind.DECODE]
+    extend, requests = plan.batches[0]
+    assert requests == [b, c] and extend.starts == (47, 0)

@@ -36,7 +36,8 @@ from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.process_front import DEFAULT_MAX_RESTARTS, ProcessEngine
 from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint, load_tokenizer, resolve_model_path
-from neuron_lmi.models.native import build_in_background, host_cpu_flags
+from neuron_lmi.models.native import host_cpu_flags
+from neuron_lmi.models.ops import build_in_background
 from neuron_lmi.models.quantize import quantize_model
 from neuron_lmi.parallel.tp_model import apply_tensor_parallel
 

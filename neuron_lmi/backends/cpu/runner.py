@@ -22,17 +22,19 @@ if TYPE_CHECKING:
 class CpuRunner(ForwardByKind):
     """Runs ``LlamaForCausalLM`` over a static KV cache of ``n_rows`` x ``n_positions``.
 
-    Prefill pads prompts to a context bucket, packing several short prompts into one bucket-sized
-    row (block-diagonal attention) and batching the rows of one bucket; decode
-    attends over the smallest token-generation bucket that covers every active row. ``extend``
-    (when the model supports it) appends chunks to rows that already hold a prefix, in pieces of at
-    most the largest context bucket, so a prompt longer than that bucket is prefilled in chunks.
-    ``compiled_decode`` and ``compiled_extend`` (loaded by ``backend.CpuBackend.load`` from the
-    modules of the same names, and given here) run the decode and extend steps they cover; with
-    either, a prefill is an extend from position 0 (no buckets or packing: the graphs take any length).
-    The rest run the eager model. With the compiled step graph (``compiled_decode``) an ``extend``
-    may mix decodes (chunks of one token) with prompt chunks, all in one forward where the graph
-    covers them (``mixed_steps``: the engine then sends a whole step as one ``extend``).
+    Each batch is computed as it comes; the capabilities tell the scheduler what one forward takes,
+    so no batch is split or sent to another kind's path here. Prefill pads prompts to a context
+    bucket, packing several short prompts into one bucket-sized row (block-diagonal attention) and
+    batching the rows of one bucket; decode attends over the smallest token-generation bucket that
+    covers every active row. ``extend`` (when the model supports it) appends chunks of at most the
+    largest context bucket (``max_chunk_tokens``: a longer prompt comes in chunks) to rows that
+    already hold a prefix. ``compiled_decode`` and ``compiled_extend`` (loaded by
+    ``backend.CpuBackend.load`` from the modules of the same names, and given here) run the decode
+    and extend batches whose shapes they take, the eager model the rest; with either, new prompts
+    come as an extend from position 0 (``prefill_as_extend``: the graphs need no buckets or
+    packing). With the compiled step graph (``compiled_decode``) an extend batch may mix decodes
+    (chunks of one token) with prompt chunks (``mixed_steps``), within the graph's limits
+    (``mixed_limits``).
     """
 
     def __init__(
@@ -65,10 +67,16 @@ class CpuRunner(ForwardByKind):
         self.compiled_decode = compiled_decode
         self.compiled_extend = compiled_extend
         # Fixed here: mixed steps only with the compiled step graph, which runs decodes and prompt
-        # chunks in one forward (elsewhere ``extend`` sends the decodes to ``decode``).
-        mixed = self.supports_extend and compiled_decode is not None
+        # chunks in one forward, as far as its limits go (the scheduler cuts a step past them).
+        extend = self.supports_extend
+        mixed = extend and compiled_decode is not None
         self.capabilities = RunnerCapabilities(
-            extend=self.supports_extend, mixed_steps=mixed, prompt_logits=True
+            extend=extend,
+            mixed_steps=mixed,
+            prompt_logits=True,
+            max_chunk_tokens=self.context_buckets[-1] if extend else None,
+            mixed_limits=compiled_decode.limits if mixed and compiled_decode is not None else None,
+            prefill_as_extend=extend and (compiled_decode is not None or compiled_extend is not None),
         )
 
     @property
@@ -78,15 +86,6 @@ class CpuRunner(ForwardByKind):
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         if len(rows) != len(prompts):
             raise ValueError("prefill: rows and prompts differ in length")
-        compiled = self.compiled_extend is not None or self.compiled_decode is not None
-        if compiled and all(prompts) and not any(self.rows.lengths(rows)):
-            return self.extend(rows, prompts)
-        longest = self.context_buckets[-1]
-        long = [i for i, p in enumerate(prompts) if len(p) > longest]
-        if long and self.supports_extend:  # the head as usual, the rest in chunks
-            logits = self.prefill(rows, [p[:longest] for p in prompts])
-            logits[long] = self.extend([rows[i] for i in long], [prompts[i][longest:] for i in long])
-            return logits
         by_bucket: dict[int, list[int]] = defaultdict(list)
         for i, prompt in enumerate(prompts):
             if not prompt:
@@ -139,7 +138,7 @@ class CpuRunner(ForwardByKind):
 
     def extend(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append ``chunks[i]`` to ``rows[i]`` after the positions it holds; returns the logits of
-        each chunk's last token. A chunk longer than the largest context bucket runs in pieces."""
+        each chunk's last token. A chunk is at most the largest context bucket (``max_chunk_tokens``)."""
         if not self.supports_extend:
             raise NotImplementedError(f"{type(self.model).__name__} has no extend step")
         if len(rows) != len(chunks):
@@ -161,26 +160,15 @@ class CpuRunner(ForwardByKind):
             for row, start, chunk in zip(rows, starts, chunks, strict=True):
                 self.rows.set_length(row, start + len(chunk))
             return logits
+        # Padded to its chunk bucket (several buckets: one model call each, so a short chunk does
+        # not pay for a long one's padding); a chunk past the largest is refused by pick_bucket.
         logits = torch.empty(len(rows), self.vocab_size)
-        single = [i for i, c in enumerate(chunks) if len(c) == 1 and starts[i] > 0]
-        if single:  # decodes of a mixed step the graph does not cover: run apart from the prompts
-            logits[single] = self.decode([rows[i] for i in single], [chunks[i][0] for i in single])
-            if len(single) == len(rows):
-                return logits
-            decoded = set(single)
-            rest = [i for i in range(len(rows)) if i not in decoded]
-            logits[rest] = self.extend([rows[i] for i in rest], [chunks[i] for i in rest])
-            return logits
-        piece, done = self.context_buckets[-1], 0
-        while done < max(len(c) for c in chunks):
-            live = [i for i, c in enumerate(chunks) if len(c) > done]
-            by_bucket: dict[int, list[int]] = defaultdict(list)
-            for i in live:
-                by_bucket[pick_bucket(self.chunk_buckets, min(len(chunks[i]) - done, piece))].append(i)
-            for bucket, members in by_bucket.items():
-                pieces = [list(chunks[i][done : done + piece]) for i in members]
-                logits[members] = self._extend_bucket([rows[i] for i in members], pieces, bucket)
-            done += piece
+        by_bucket: dict[int, list[int]] = defaultdict(list)
+        for i, chunk in enumerate(chunks):
+            by_bucket[pick_bucket(self.chunk_buckets, len(chunk))].append(i)
+        for bucket, members in by_bucket.items():
+            pieces = [list(chunks[i]) for i in members]
+            logits[members] = self._extend_bucket([rows[i] for i in members], pieces, bucket)
         return logits
 
     def _extend_bucket(self, rows: list[int], pieces: list[list[int]], bucket: int) -> torch.Tensor:
