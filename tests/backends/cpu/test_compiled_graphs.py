@@ -16,6 +16,7 @@ from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.backends.cpu.runner import CpuRunner
 from neuron_lmi.engine.types import SamplingParams
 from neuron_lmi.models import ops, packed_linear
+from neuron_lmi.runners.base import BatchKind, StepBatch
 from tests.backends.cpu.conftest import load_tiny
 from tests.conftest import cpu_options
 
@@ -254,10 +255,13 @@ def test_compiled_extend_writes_the_cache_and_logits_eager_does(
 def _teacher_forced(runner: CpuRunner, lone_row_step: bool = False) -> torch.Tensor:
     """Logits ``[steps, 3, vocab]`` of one prefill of three prompts into fresh rows (0, 1, 2) and four
     decode steps over them; with ``lone_row_step``, then one step of row 0 alone (one token),
-    broadcast over the three. The rows are freed after."""
+    broadcast over the three. The rows are freed after. The prompts go in the batch the scheduler
+    sends (an EXTEND from position 0 where the runner has graphs: ``prefill_as_extend``)."""
     prompts = [list(range(300, 310)), list(range(400, 437)), [5, 6]]
     rows = [runner.rows.allocate() for _ in prompts]
-    logits = [runner.prefill(rows, prompts)]
+    kind = BatchKind.EXTEND if runner.capabilities.prefill_as_extend else BatchKind.PREFILL
+    n = len(rows)
+    logits = [runner.forward(StepBatch(kind, tuple(rows), (0,) * n, tuple(map(tuple, prompts)), (True,) * n))]
     for step in range(4):
         logits.append(runner.decode(rows, [7 + step + i for i in range(len(rows))]))
     if lone_row_step:
