@@ -8,7 +8,7 @@ import pytest
 from cache_api import RowTable
 from neuron_lmi.engine.prefix import PrefixHit, PrefixIndex, common_prefix
 from neuron_lmi.engine.request import Request, Status
-from neuron_lmi.engine.scheduler import ChunkedPrefill, Scheduler, WholePrompts
+from neuron_lmi.engine.scheduler import ChunkedPrefill, Scheduler, StepPlan, WholePrompts
 from neuron_lmi.engine.types import SamplingParams
 from neuron_lmi.runners.base import BatchKind, MixedStepLimits, RunnerCapabilities
 
@@ -171,6 +171,21 @@ def place_decoding(sched: Scheduler, rows: RowTable, request: Request, n_out: in
     rows.set_length(request.row, len(request.prompt_ids) + n_out - 1)
 
 
+def decode_continue_and_admit(capabilities: RunnerCapabilities) -> tuple[StepPlan, Request, Request]:
+    """A step holding all three kinds of line: ``a`` decodes, ``b`` (60 tokens: 47 in the first step
+    of 48) continues its prompt, ``c`` (5 tokens) is new. Returns that step's plan, ``b`` and ``c``."""
+    sched, rows = stepping(capabilities, step_tokens=48)
+    a = req("a", 10)
+    place_decoding(sched, rows, a)
+    b = req("b", 60)
+    sched.add(b)
+    sched.next_step()
+    rows.set_length(b.row, 47)
+    c = req("c", 5)
+    sched.add(c)
+    return sched.next_step(), b, c
+
+
 def test_a_mixed_steps_runner_gets_the_step_as_one_extend_batch_decodes_as_one_token_lines():
     sched, rows = stepping(RunnerCapabilities(extend=True, mixed_steps=True))
     a = req("a", 10)
@@ -188,16 +203,7 @@ def test_a_mixed_steps_runner_gets_the_step_as_one_extend_batch_decodes_as_one_t
 @pytest.mark.parametrize("decode_first", [False, True])
 def test_a_runner_without_mixed_steps_gets_one_batch_per_kind(decode_first: bool):
     capabilities = RunnerCapabilities(extend=True, live_rows_step_together=decode_first)
-    sched, rows = stepping(capabilities, step_tokens=48)
-    a = req("a", 10)
-    place_decoding(sched, rows, a)
-    b = req("b", 60)  # 47 tokens in the first step, the last 13 in the second
-    sched.add(b)
-    sched.next_step()
-    rows.set_length(b.row, 47)
-    c = req("c", 5)
-    sched.add(c)
-    plan = sched.next_step()
+    plan, _, c = decode_continue_and_admit(capabilities)
     kinds = [batch.kind for batch, _ in plan.batches]
     expected = [BatchKind.PREFILL, BatchKind.EXTEND, BatchKind.DECODE]
     assert kinds == ([BatchKind.DECODE, *expected[:2]] if decode_first else expected)
@@ -296,17 +302,7 @@ def test_a_mixed_step_past_the_runners_limits_comes_as_decodes_then_chunks():
 
 
 def test_prefill_as_extend_sends_new_prompts_in_the_extend_batch():
-    capabilities = RunnerCapabilities(extend=True, prefill_as_extend=True)
-    sched, rows = stepping(capabilities, step_tokens=48)
-    a = req("a", 10)
-    place_decoding(sched, rows, a)
-    b = req("b", 60)
-    sched.add(b)
-    sched.next_step()
-    rows.set_length(b.row, 47)
-    c = req("c", 5)
-    sched.add(c)
-    plan = sched.next_step()
+    plan, b, c = decode_continue_and_admit(RunnerCapabilities(extend=True, prefill_as_extend=True))
     assert [batch.kind for batch, _ in plan.batches] == [BatchKind.EXTEND, BatchKind.DECODE]
     extend, requests = plan.batches[0]
     assert requests == [b, c] and extend.starts == (47, 0)
