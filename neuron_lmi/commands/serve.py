@@ -75,6 +75,18 @@ def add_parser(subparsers: Any) -> None:
         choices=("deepseek_r1", "qwen3"),
         help="split the model's <think> block off into message.reasoning (vLLM's parser names)",
     )
+    p.add_argument(
+        "--enable-lora", action="store_true", default=None, help="option.enable_lora: serve LoRA adapters"
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="option.lora_modules: adapters served from the start (a directory, s3://... or a Hub id)",
+    )
+    p.add_argument("--max-loras", type=int, help="option.max_loras: adapters resident at once (default 4)")
+    p.add_argument("--max-lora-rank", type=int, help="option.max_lora_rank: the largest rank (default 16)")
+    p.add_argument("--max-cpu-loras", type=int, help="option.max_cpu_loras: adapters kept in host memory")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     p.set_defaults(func=run)
 

@@ -10,7 +10,9 @@ tokens; ``Scheduler.finish`` releases a row, retaining its prefix. Two small pol
 * ``PrefillPolicy`` — how many prompt tokens a step computes: ``WholePrompts`` (every prompt in
   one piece, within a prefill budget) or ``ChunkedPrefill`` (one budget shared with the running
   decodes; prompts are split into chunks, so a burst of long prompts never freezes the streams);
-* ``PrefixIndex`` (``engine.prefix``) — which cached prefix a new prompt can start from.
+* ``PrefixIndex`` (``engine.prefix``) — which cached prefix a new prompt can start from;
+* ``AdapterTable`` (``engine.lora``) — the runner's LoRA slots: a request with an adapter is
+  admitted once its adapter has a slot (``pin``), and each batch carries its lines' slots.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from cache_api import RowTable
+from neuron_lmi.engine.lora import AdapterTable
 from neuron_lmi.engine.prefix import PrefixHit, PrefixIndex
 from neuron_lmi.engine.request import Request, Status
 from neuron_lmi.runners.base import BatchKind, RunnerCapabilities, StepBatch
@@ -148,6 +151,7 @@ class Scheduler:
         prefix: PrefixIndex | None = None,
         rows: RowTable | None = None,
         capabilities: RunnerCapabilities | None = None,
+        adapters: AdapterTable | None = None,
     ) -> None:
         if max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
@@ -156,8 +160,10 @@ class Scheduler:
         self.prefix = prefix
         self.rows = rows
         self.capabilities = capabilities or RunnerCapabilities()
+        self.adapters = adapters
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._failed: list[tuple[Request, Exception]] = []  # refused while admitting (an adapter's read)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -188,11 +194,22 @@ class Scheduler:
         claimed: set[int] = set()  # retained rows already taken over this step
         while self.waiting and len(admitted) < free_rows:
             request = self.waiting[0]
-            hit = self.prefix.match(request.prompt_ids, self.running, claimed) if self.prefix else None
+            hit = None
+            if self.prefix is not None:
+                hit = self.prefix.match(request.prompt_ids, self.running, claimed, request.adapter_id)
             start = hit.length if hit else 0
             n = self.prefill.take(len(request.prompt_ids) - start, budget, first=not chunks)
             if n == 0:
                 break
+            if request.adapter_id is not None and self.adapters is not None:
+                try:
+                    request.lora_slot = self.adapters.pin(request.adapter_id)
+                except Exception as exc:  # its adapter could not be read again: this request fails
+                    self.waiting.popleft()
+                    self._failed.append((request, exc))
+                    continue
+                if request.lora_slot is None:  # every slot runs other adapters: wait, in order
+                    break
             self.waiting.popleft()
             if hit is not None and hit.retained:
                 claimed.add(hit.row)
@@ -206,6 +223,7 @@ class Scheduler:
         """Decide the step (``schedule``), place its new requests and cut it into batches."""
         rows = self._table()
         plan = StepPlan(self.schedule(rows.occupancy().rows_free))
+        plan.failed, self._failed = self._failed, []
         self._place(plan)
         placed = [c for c in plan.decision.chunks if c.request.row is not None]
         plan.batches = self._batches(placed, plan.decision)
@@ -268,8 +286,11 @@ class Scheduler:
                 keep = 0
             rows.remove(request.row, keep)
             if keep:
-                prefix.retain(request.row, request.all_ids[:keep])  # type: ignore[union-attr]
+                prefix.retain(request.row, request.all_ids[:keep], request.adapter_id)  # type: ignore[union-attr]
             request.row = None
+        if request.lora_slot is not None and self.adapters is not None:
+            self.adapters.unpin(request.lora_slot)
+            request.lora_slot = None
         self.remove(request)
 
     def remove(self, request: Request) -> None:
@@ -297,6 +318,7 @@ def _decode_line(request: Request) -> _Line:
 
 def _batch(kind: BatchKind, lines: list[_Line], decodes: int = 0) -> tuple[StepBatch, list[Request]]:
     requests = [line[0] for line in lines]
+    slots = tuple(r.lora_slot for r in requests)
     batch = StepBatch(
         kind,
         tuple(r.row for r in requests),  # type: ignore[misc]
@@ -304,5 +326,6 @@ def _batch(kind: BatchKind, lines: list[_Line], decodes: int = 0) -> tuple[StepB
         tuple(line[2] for line in lines),
         tuple(line[3] for line in lines),
         decodes,
+        slots if any(s is not None for s in slots) else None,  # None: no line is adapted
     )
     return batch, requests

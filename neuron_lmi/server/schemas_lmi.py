@@ -90,6 +90,25 @@ class LmiParameters(RequestModel):
         default=None, description="Constrain the output: a JSON Schema (type json) or a regex (type regex)."
     )
     ignore_eos: bool = False
+    # LoRA: LMI's adapter per input (one name, or one per input of a list), TGI's adapter_id.
+    adapters: str | list[str] | None = None
+    adapter_id: str | None = None
+
+    def adapter_list(self, n_inputs: int, family: Family) -> list[str | None]:
+        """The adapter of each of ``n_inputs`` inputs (None: the base model), refusing a list that
+        does not match the inputs by name."""
+        if self.adapter_id is not None:
+            return [self.adapter_id or None] * n_inputs
+        if isinstance(self.adapters, list):
+            if len(self.adapters) != n_inputs:
+                message = f"adapters lists {len(self.adapters)} names for {n_inputs} inputs"
+                raise invalid(family, message, "parameters.adapters")
+            return [a or None for a in self.adapters]
+        return [self.adapters or None] * n_inputs
+
+    @property
+    def adapter_field(self) -> str:
+        return "parameters.adapter_id" if self.adapter_id is not None else "parameters.adapters"
 
 
 class LmiRequest(RequestModel):

@@ -12,7 +12,8 @@ from cache_api import RowTable
 from neuron_lmi.backends.cpu.buckets import chunk_buckets, pack_into_bins, pick_bucket, power_of_two_buckets
 from neuron_lmi.backends.cpu.graphs import right_padded
 from neuron_lmi.models.llama import LlamaForCausalLM
-from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities, ascending, in_asked_order
+from neuron_lmi.models.lora import LoraAdapter, LoraBatch, LoraSlots
+from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities, StepBatch, ascending, in_asked_order
 
 if TYPE_CHECKING:
     from neuron_lmi.backends.cpu.compiled_decode import CompiledDecode
@@ -33,6 +34,12 @@ class CpuRunner(ForwardByKind):
     The rest run the eager model. With the compiled step graph (``compiled_decode``) an ``extend``
     may mix decodes (chunks of one token) with prompt chunks, all in one forward where the graph
     covers them (``mixed_steps``: the engine then sends a whole step as one ``extend``).
+
+    With ``lora_slots`` the runner holds that many LoRA adapters (``models.lora.LoraSlots``, ranks
+    up to ``lora_rank``). A batch with adapted lines (``StepBatch.adapters``) runs the eager
+    ``extend`` whatever graphs are compiled: the compiled graphs have the base weights frozen in and
+    take no adapter, so such a batch (its base lines too: a mixed step is one batch) goes eager,
+    every line written from its start. A batch without adapters takes the usual path unchanged.
     """
 
     def __init__(
@@ -43,6 +50,8 @@ class CpuRunner(ForwardByKind):
         context_buckets: list[int] | None = None,
         compiled_decode: CompiledDecode | None = None,
         compiled_extend: CompiledExtend | None = None,
+        lora_slots: int = 0,
+        lora_rank: int = 0,
     ) -> None:
         if n_positions > model.n_positions:
             raise ValueError(
@@ -67,9 +76,32 @@ class CpuRunner(ForwardByKind):
         # Fixed here: mixed steps only with the compiled step graph, which runs decodes and prompt
         # chunks in one forward (elsewhere ``extend`` sends the decodes to ``decode``).
         mixed = self.supports_extend and compiled_decode is not None
+        self.lora: LoraSlots | None = None
+        if lora_slots:
+            projections = model.lora_projections()
+            if not projections:
+                name = type(model).__name__
+                raise ValueError(f"option.enable_lora: {name} (as built here) cannot run LoRA adapters")
+            self.lora = LoraSlots(model.args, projections, lora_slots, lora_rank, model.dtype)
         self.capabilities = RunnerCapabilities(
-            extend=self.supports_extend, mixed_steps=mixed, prompt_logits=True
+            extend=self.supports_extend,
+            mixed_steps=mixed,
+            prompt_logits=True,
+            lora_slots=lora_slots,
+            lora_rank=lora_rank if lora_slots else 0,
         )
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        if batch.adapters is None:
+            return ForwardByKind.forward(self, batch)
+        for row, start in zip(batch.rows, batch.starts, strict=True):
+            self.rows.set_length(row, start)
+        return self._extend_pieces(batch.rows, batch.chunks, batch.adapters)
+
+    def set_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
+        if self.lora is None:
+            raise ValueError("this runner was built without LoRA slots (option.enable_lora)")
+        self.lora.write(slot, adapter)
 
     @property
     def rows(self) -> RowTable:
@@ -171,6 +203,17 @@ class CpuRunner(ForwardByKind):
             rest = [i for i in range(len(rows)) if i not in decoded]
             logits[rest] = self.extend([rows[i] for i in rest], [chunks[i] for i in rest])
             return logits
+        return self._extend_pieces(rows, chunks)
+
+    def _extend_pieces(
+        self,
+        rows: Sequence[int],
+        chunks: Sequence[Sequence[int]],
+        adapters: Sequence[int | None] | None = None,
+    ) -> torch.Tensor:
+        """The eager extend: chunks in pieces of at most the largest context bucket, grouped by
+        bucket; ``adapters``: each line's LoRA slot (the eager path of an adapted batch)."""
+        logits = torch.empty(len(rows), self.vocab_size)
         piece, done = self.context_buckets[-1], 0
         while done < max(len(c) for c in chunks):
             live = [i for i, c in enumerate(chunks) if len(c) > done]
@@ -179,22 +222,27 @@ class CpuRunner(ForwardByKind):
                 by_bucket[pick_bucket(self.chunk_buckets, min(len(chunks[i]) - done, piece))].append(i)
             for bucket, members in by_bucket.items():
                 pieces = [list(chunks[i][done : done + piece]) for i in members]
-                logits[members] = self._extend_bucket([rows[i] for i in members], pieces, bucket)
+                lora = None
+                if adapters is not None and self.lora is not None:
+                    lora = self.lora.batch([adapters[i] for i in members])
+                logits[members] = self._extend_bucket([rows[i] for i in members], pieces, bucket, lora)
             done += piece
         return logits
 
-    def _extend_bucket(self, rows: list[int], pieces: list[list[int]], bucket: int) -> torch.Tensor:
+    def _extend_bucket(
+        self, rows: list[int], pieces: list[list[int]], bucket: int, lora: LoraBatch | None = None
+    ) -> torch.Tensor:
         starts = self.rows.lengths(rows)
         lengths = [len(p) for p in pieces]
         compiled = self.compiled_extend
-        if compiled is not None and compiled.covers(starts, lengths):
+        if lora is None and compiled is not None and compiled.covers(starts, lengths):
             out = compiled(rows, pieces, starts, self.cache.k, self.cache.v)
         else:
             tokens = right_padded(pieces, bucket)
             ends = max(s + n for s, n in zip(starts, lengths, strict=True))
             out = self.model.extend(
                 tokens, torch.tensor(rows, dtype=torch.long), torch.tensor(starts, dtype=torch.long),
-                lengths, self.cache.k, self.cache.v, pick_bucket(self.token_buckets, ends),
+                lengths, self.cache.k, self.cache.v, pick_bucket(self.token_buckets, ends), lora,
             )  # fmt: skip
         for row, start, n in zip(rows, starts, lengths, strict=True):
             self.rows.set_length(row, start + n)
