@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from neuron_lmi.config.dtypes import canonical_dtype
 
@@ -381,7 +381,7 @@ class LoraOptions(_Section):
     ``lora_modules``: vLLM's ``--lora-modules`` as ``(name, path)`` pairs, given as ``name=path``
     words (spaces or commas between them) or a JSON list of ``{"name", "path"}`` objects; adapters in
     the model directory's ``adapters/`` folder are served too (LMI's layout). ``max_cpu_loras`` None:
-    ``max_loras``. Invariant: ``max_cpu_loras >= max_loras``.
+    ``max_loras``; ``max_cpu_loras >= max_loras`` (the loader checks it, naming the key to change).
     """
 
     enable_lora: bool = False
@@ -403,14 +403,6 @@ class LoraOptions(_Section):
     @property
     def cpu_loras(self) -> int:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
-
-    @model_validator(mode="after")
-    def _cpu_room(self) -> LoraOptions:
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(
-                f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}"
-            )
-        return self
 
 
 def _lora_module(item: Any) -> Any:

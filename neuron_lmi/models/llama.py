@@ -142,12 +142,15 @@ class DecoderLayer(nn.Module):
         act = ACTIVATIONS[self.hidden_act](gate) * up
         return add_lora(linear(act, self.w_down, self.b_down), act, lora, "down")
 
+    # A family's own attn_out or mlp (Gemma 3, an expert MLP) takes no adapter: those projections are
+    # not in its lora_projections, so no slot holds weights for them and they are called plainly.
     def _attn_out(self, attn: torch.Tensor, lora: LayerLora | None) -> torch.Tensor:
-        # A family's override (Gemma 3) takes no adapter: its projections are not in lora_projections.
-        return self.attn_out(attn) if lora is None else self.attn_out(attn, lora)
+        return self.attn_out(attn) if lora is None or "o" not in lora.weights else self.attn_out(attn, lora)
 
     def _mlp(self, x: torch.Tensor, lora: LayerLora | None) -> torch.Tensor:
-        return self.mlp(x) if lora is None else self.mlp(x, lora)
+        if lora is None or not ("gate_up" in lora.weights or "down" in lora.weights):
+            return self.mlp(x)
+        return self.mlp(x, lora)
 
     def prefill_step(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, scale: float
