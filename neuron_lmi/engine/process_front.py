@@ -321,6 +321,10 @@ class ProcessEngine(EngineFront):
             yield event
 
     # -- adapters (AdapterHost) ---------------------------------------------------------------
+    @property
+    def serves_adapters(self) -> bool:
+        return self.admission.limits.capabilities.lora
+
     async def load_adapter(self, name: str, path: str) -> None:
         """Have the engine read and register a LoRA adapter; raises ``InvalidRequestError``
         naming it and why (a rank, a base model, a target module, a path)."""

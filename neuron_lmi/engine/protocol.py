@@ -72,6 +72,11 @@ class AdapterHost(Protocol):
 
     adapters: Mapping[str, str]
 
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether this engine was started with LoRA on (``option.enable_lora``)."""
+        ...
+
     async def load_adapter(self, name: str, path: str) -> None: ...
 
     async def unload_adapter(self, name: str) -> None: ...

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 
 from neuron_lmi.engine.protocol import AdapterHost
-from neuron_lmi.engine.types import UnknownAdapterError
+from neuron_lmi.engine.types import InvalidRequestError, UnknownAdapterError
 from neuron_lmi.model_source import ModelSourceError, fetch_adapter, model_cache_dir
 from neuron_lmi.server.context import ctx_of
 from neuron_lmi.server.errors import ApiError, Family, invalid, parse_body
@@ -54,15 +54,25 @@ class RegisterAdapterRequest(RequestModel):
     src: str
 
 
-def host_of(request: Request, family: Family) -> AdapterHost:
+def served(request: Request) -> AdapterHost | None:
+    """The engine, where it serves LoRA adapters (``option.enable_lora``)."""
     engine = ctx_of(request).engine
-    if not isinstance(engine, AdapterHost):
-        raise invalid(family, f"the {engine.backend_name} backend serves no LoRA adapters", None)
-    return engine
+    return engine if isinstance(engine, AdapterHost) and engine.serves_adapters else None
+
+
+def host_of(request: Request, family: Family, field: str) -> AdapterHost:
+    host = served(request)
+    if host is None:
+        backend = ctx_of(request).engine.backend_name
+        raise invalid(
+            family, f"this server serves no LoRA adapters ({backend} backend, option.enable_lora)", field
+        )
+    return host
 
 
 async def _load(request: Request, family: Family, name: str, src: str, fields: tuple[str, str]) -> None:
-    host = host_of(request, family)
+    """Fetch and load; refusals name ``fields`` (the name's, the source's) as the client spelled them."""
+    host = host_of(request, family, fields[0])
     if not name:
         raise invalid(family, "an adapter needs a name", fields[0])
     if name in host.adapters or name == ctx_of(request).model_name:
@@ -71,7 +81,10 @@ async def _load(request: Request, family: Family, name: str, src: str, fields: t
         path = await asyncio.to_thread(fetch_adapter, src, model_cache_dir(os.environ), os.environ)
     except (ModelSourceError, OSError) as exc:
         raise invalid(family, f"adapter {name!r}: {exc}", fields[1]) from None
-    await host.load_adapter(name, str(path))
+    try:
+        await host.load_adapter(name, str(path))
+    except InvalidRequestError as exc:
+        raise invalid(family, str(exc), fields[1] if exc.field == "lora_path" else fields[0]) from None
 
 
 @router.post("/v1/load_lora_adapter", tags=["openai"])
@@ -84,7 +97,7 @@ async def load_lora_adapter(request: Request) -> PlainTextResponse:
 @router.post("/v1/unload_lora_adapter", tags=["openai"])
 async def unload_lora_adapter(request: Request) -> PlainTextResponse:
     req = parse_body(await request.body(), UnloadLoraRequest, "openai")
-    await host_of(request, "openai").unload_adapter(req.lora_name)
+    await host_of(request, "openai", "lora_name").unload_adapter(req.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
@@ -106,15 +119,15 @@ async def register_adapter(request: Request) -> JSONResponse:
 
 @router.get("/adapters", tags=["lmi"])
 async def list_adapters(request: Request) -> dict[str, Any]:
-    engine = ctx_of(request).engine
-    served = engine.adapters if isinstance(engine, AdapterHost) else {}
-    return {"adapters": [{"name": name, "src": src} for name, src in served.items()]}
+    host = served(request)
+    names = host.adapters if host is not None else {}
+    return {"adapters": [{"name": name, "src": src} for name, src in names.items()]}
 
 
 @router.delete("/adapters/{name}", tags=["lmi"])
 async def delete_adapter(request: Request, name: str) -> JSONResponse:
     try:
-        await host_of(request, "lmi").unload_adapter(name)
+        await host_of(request, "lmi", "name").unload_adapter(name)
     except UnknownAdapterError as exc:
         raise ApiError(404, str(exc), "name", "not_found") from None
     return JSONResponse({"status": f"Adapter {name} deleted"})
@@ -124,8 +137,8 @@ def adapter_cards(request: Request, created: int) -> list[dict[str, Any]]:
     """``/v1/models`` entries for the served adapters: each a model whose ``parent`` is the base (as
     vLLM lists them), ``root`` where it was read from."""
     ctx = ctx_of(request)
-    engine = ctx.engine
-    served = engine.adapters if isinstance(engine, AdapterHost) else {}
+    host = served(request)
+    names = host.adapters if host is not None else {}
     return [
         {
             "id": name,
@@ -134,16 +147,14 @@ def adapter_cards(request: Request, created: int) -> list[dict[str, Any]]:
             "owned_by": "neuron-lmi",
             "root": str(Path(src)),
             "parent": ctx.model_name,
-            "max_model_len": engine.n_positions,
+            "max_model_len": ctx.engine.n_positions,
         }
-        for name, src in served.items()
+        for name, src in names.items()
     ]
 
 
 def adapter_for(request: Request, model: str | None) -> str | None:
     """The adapter OpenAI's ``model`` names, or None for the base model (any other name is the
     caller's to refuse)."""
-    engine = ctx_of(request).engine
-    if model is not None and isinstance(engine, AdapterHost) and model in engine.adapters:
-        return model
-    return None
+    host = served(request)
+    return model if model is not None and host is not None and model in host.adapters else None

@@ -80,7 +80,8 @@ def test_models_lists_adapters_with_their_parent(http: httpx.Client, adapter_dir
     data = http.get("/v1/models").json()["data"]
     base = data[0]["id"]
     assert [(m["id"], m.get("parent")) for m in data] == [(base, None), ("qv", base)]
-    assert http.get("/adapters").json() == {"adapters": [{"name": "qv", "src": str(adapter_dirs["qv"])}]}
+    listed = http.get("/adapters").json()["adapters"]
+    assert [(a["name"], Path(a["src"]).resolve()) for a in listed] == [("qv", adapter_dirs["qv"].resolve())]
 
 
 def test_each_api_selects_the_adapter(http: httpx.Client, tiny_llama_dir, adapter_dirs, tmp_path) -> None:
