@@ -123,7 +123,9 @@ class DecoderLayer(nn.Module):
         has q/k norms; rotary is the caller's). ``lora``: the adapted lines' low-rank updates."""
         b, t, _ = x.shape
         h = self.norm(x, self.input_norm)
-        qkv = add_lora(linear(h, self.wqkv, self.bqkv), h, lora, "qkv")
+        qkv = linear(h, self.wqkv, self.bqkv)
+        if lora is not None:
+            qkv = add_lora(qkv, h, lora, "qkv")
         qkv = qkv.view(b, t, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
         if self.q_norm is not None and self.k_norm is not None:
@@ -134,23 +136,26 @@ class DecoderLayer(nn.Module):
         """[B, H, T, D] -> [B, T, hidden] (partial sum under tensor parallelism)."""
         b, _, t, _ = attn.shape
         flat = attn.transpose(1, 2).reshape(b, t, -1)
-        return add_lora(linear(flat, self.wo, self.bo), flat, lora, "o")
+        out = linear(flat, self.wo, self.bo)
+        return out if lora is None else add_lora(out, flat, lora, "o")
 
     def mlp(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
         h = self.norm(x, self.post_norm)
-        gate, up = add_lora(linear(h, self.w_gate_up, self.b_gate_up), h, lora, "gate_up").chunk(2, dim=-1)
+        gate_up = linear(h, self.w_gate_up, self.b_gate_up)
+        if lora is not None:
+            gate_up = add_lora(gate_up, h, lora, "gate_up")
+        gate, up = gate_up.chunk(2, dim=-1)
         act = ACTIVATIONS[self.hidden_act](gate) * up
-        return add_lora(linear(act, self.w_down, self.b_down), act, lora, "down")
+        out = linear(act, self.w_down, self.b_down)
+        return out if lora is None else add_lora(out, act, lora, "down")
 
     # A family's own attn_out or mlp (Gemma 3, an expert MLP) takes no adapter: those projections are
     # not in its lora_projections, so no slot holds weights for them and they are called plainly.
-    def _attn_out(self, attn: torch.Tensor, lora: LayerLora | None) -> torch.Tensor:
-        return self.attn_out(attn) if lora is None or "o" not in lora.weights else self.attn_out(attn, lora)
+    def _attn_out(self, attn: torch.Tensor, lora: LayerLora) -> torch.Tensor:
+        return self.attn_out(attn, lora) if "o" in lora.weights else self.attn_out(attn)
 
-    def _mlp(self, x: torch.Tensor, lora: LayerLora | None) -> torch.Tensor:
-        if lora is None or not ("gate_up" in lora.weights or "down" in lora.weights):
-            return self.mlp(x)
-        return self.mlp(x, lora)
+    def _mlp(self, x: torch.Tensor, lora: LayerLora) -> torch.Tensor:
+        return self.mlp(x, lora) if "gate_up" in lora.weights or "down" in lora.weights else self.mlp(x)
 
     def prefill_step(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, scale: float
@@ -202,6 +207,9 @@ class DecoderLayer(nn.Module):
         attn = F.scaled_dot_product_attention(
             q, k_all, v_all, attn_mask=step.mask, scale=step.scale, enable_gqa=True
         )
+        if lora is None:  # the common path, as before adapters
+            x = x + self.attn_out(attn)
+            return x + self.mlp(x)
         x = x + self._attn_out(attn, lora)
         return x + self._mlp(x, lora)
 

@@ -56,7 +56,7 @@ def lora_llm(model: Path, adapters: dict[str, Path], **keys: object) -> LLM:
 
 
 def check(llm: LLM, references, jobs: list[tuple[list[int], str | None]]) -> None:
-    params = [SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, adapter=a) for _, a in jobs]
+    params = [SamplingParams(max_new_tokens=NEW_TOKENS, adapter=a) for _, a in jobs]
     results = llm.generate([p for p, _ in jobs], params)
     for (prompt, adapter), result in zip(jobs, results, strict=True):
         assert result.error is None, result.error
