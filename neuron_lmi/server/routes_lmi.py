@@ -202,13 +202,13 @@ async def _start(
     stream = req.stream or force_stream
     params: SamplingParams = to_sampling(req.parameters, family, stream)
     prompts = [_prompt_for(ctx, text, req.parameters.truncate) for text in inputs]
-    adapters = req.parameters.adapter_list(len(prompts), family)
+    adapters, adapter_field = req.adapter_list(len(prompts), family)
     jobs = [
         (prompt, dataclasses.replace(params, adapter=adapter) if adapter else params)
         for prompt, adapter in zip(prompts, adapters, strict=True)
         for _ in range(req.parameters.best_of or 1)
     ]
-    renames = {"adapter": req.parameters.adapter_field}
+    renames = {"adapter": adapter_field}
     streams = await open_streams(ctx.engine, ctx.metrics, jobs, "lmi", renames, client=request)
     return ctx, req, inputs, streams
 

@@ -63,8 +63,8 @@ def expected_ids(tiny_llama_dir: Path, adapter_dir: Path | None, tmp: Path) -> l
     return hf_greedy(model, prompt, NEW)[0]
 
 
-def lmi_ids(http: httpx.Client, parameters: dict, path: str = "/invocations") -> list[int]:
-    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": NEW, "details": True, **parameters}}
+def lmi_ids(http: httpx.Client, parameters: dict, path: str = "/invocations", **top: object) -> list[int]:
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": NEW, "details": True, **parameters}, **top}
     r = http.post(path, json=body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -89,6 +89,7 @@ def test_each_api_selects_the_adapter(http: httpx.Client, tiny_llama_dir, adapte
     assert want != expected_ids(tiny_llama_dir, None, tmp_path)  # the adapter changes the tokens
     assert lmi_ids(http, {"adapters": "qv"}) == want
     assert lmi_ids(http, {"adapter_id": "qv"}, "/generate") == want
+    assert lmi_ids(http, {}, adapters="qv") == want  # LMI's adapters beside inputs
     adapted = completion(http, "qv").json()
     base = completion(http, http.get("/v1/models").json()["data"][0]["id"]).json()
     assert adapted["model"] == "qv" and adapted["choices"][0]["text"] != base["choices"][0]["text"]
