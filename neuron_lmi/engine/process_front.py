@@ -38,7 +38,7 @@ from neuron_lmi.engine import process_worker as wire
 from neuron_lmi.engine.admission import Admission, Capacity, ValidRequest, check_accepting
 from neuron_lmi.engine.detokenizer import TextStream, TokenTexts, text_decoder, text_stream
 from neuron_lmi.engine.front import EngineFront
-from neuron_lmi.engine.streams import Mailbox, post, read_stream
+from neuron_lmi.engine.streams import Answers, Mailbox, post, read_stream
 from neuron_lmi.engine.types import (
     EngineDeadError,
     EngineStats,
@@ -97,8 +97,7 @@ class ProcessEngine(EngineFront):
         self._factory = factory
         self._send_lock = threading.Lock()
         self._live: dict[str, _Live] = {}  # single dict operations only: atomic under the GIL
-        self._answers: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
-        self._tokens = 0  # adapter operations sent
+        self._answers = Answers()  # the engine's replies to adapter loads and unloads
         self._sent = 0  # ADD messages sent
         self._received = 0  # ADD messages the engine has taken
         self._snapshot: tuple[Any, ...] = (0, 0, 0, 0, 0, {})
@@ -199,7 +198,7 @@ class ProcessEngine(EngineFront):
                 if message[0] == wire.OUT:
                     self._on_output(*message[1:])
                 elif message[0] == wire.ADAPTER_DONE:
-                    self._answer(*message[1:])
+                    self._answers.answer(*message[1:])
                 elif message[0] == wire.DEAD:
                     return f"the engine loop died: {message[1]}"
         except (EOFError, OSError):
@@ -278,8 +277,7 @@ class ProcessEngine(EngineFront):
     def _end_all(self, error: EngineDeadError | None = None) -> None:
         """End every stream still open: with ``error`` (the engine died under it), else with an
         ABORT event (the engine stopped); an adapter operation still waiting fails."""
-        for token in list(self._answers):
-            self._answer(token, (str(error or "the engine stopped"), wire.UNEXPECTED, False))
+        self._answers.answer_all((str(error or "the engine stopped"), wire.UNEXPECTED, False))
         batch: list[tuple[Mailbox, TokenEvent | BaseException]] = []
         for request_id in list(self._live):
             live = self._live.pop(request_id, None)
@@ -342,11 +340,7 @@ class ProcessEngine(EngineFront):
         await self._adapter_call(wire.UNLOAD_ADAPTER, name)
 
     async def _adapter_call(self, kind: str, *args: str) -> None:
-        self._tokens += 1
-        token = self._tokens
-        loop = asyncio.get_running_loop()
-        answer: asyncio.Future[Any] = loop.create_future()
-        self._answers[token] = (loop, answer)
+        token, answer = self._answers.expect()
         self._send((kind, token, *args))
         outcome = await answer
         if outcome is not None:
@@ -354,19 +348,6 @@ class ProcessEngine(EngineFront):
             if not_found:
                 raise UnknownAdapterError(args[0], "lora_name")
             raise RuntimeError(message) if field == wire.UNEXPECTED else InvalidRequestError(message, field)
-
-    def _answer(self, token: int, outcome: tuple[str, str | None, bool] | None) -> None:
-        """The engine's answer to adapter operation ``token`` (reader thread), to its waiter."""
-        waiting = self._answers.pop(token, None)
-        if waiting is not None:
-            loop, answer = waiting
-
-            def settle() -> None:
-                if not answer.done():
-                    answer.set_result(outcome)
-
-            with contextlib.suppress(RuntimeError):  # its event loop has closed: nobody waits
-                loop.call_soon_threadsafe(settle)
 
     async def abort(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
