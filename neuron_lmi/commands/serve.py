@@ -43,6 +43,8 @@ SAGEMAKER_PORT_VAR = "SAGEMAKER_BIND_TO_PORT"
 # then the engine's stop (its own grace, then up to 5 s joining its thread): 20 + 3 + 5 < 30.
 SAGEMAKER_HTTP_DRAIN_S = 20.0
 SAGEMAKER_ENGINE_STOP_S = 3.0
+# Backends that would ignore option.enable_lora: refused at start rather than serving without it.
+LORA_REFUSED = frozenset({"neuron-nxdi", "neuron-tnx"})
 
 
 def add_parser(subparsers: Any) -> None:
@@ -185,6 +187,10 @@ def build_engine(resolved: ResolvedConfig, env: Mapping[str, str] | None = None)
         nxdi_on_cpu=on_cpu,
     )
     log.info("%s; tensor parallel degree %d (%s)", choice.summary(), tp, how)
+    if cfg.lora.enable_lora and choice.name in LORA_REFUSED:  # vLLM reads the keys itself
+        raise ValueError(
+            f"option.enable_lora: the {choice.name} backend serves no LoRA adapters yet (cpu does)"
+        )
     builder = registry.get(choice.name)
     return builder(registry.BuildRequest(resolved, env, choice.name, tp, choice))
 
