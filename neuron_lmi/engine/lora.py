@@ -121,7 +121,7 @@ class AdapterTable:
         waits). Reading a dropped host copy again may raise (the adapter's directory is gone)."""
         entry = self._entries[adapter_id]
         if entry.slot is None:
-            free = next((s for s, held in self._slots.items() if held is None or self._pins[s] == 0), None)
+            free = self._free_slot()
             if free is None:
                 return None
             weights = entry.weights if entry.weights is not None else self._load(entry.name, entry.path)
@@ -153,6 +153,16 @@ class AdapterTable:
         return {s: self._entries[i].name for s, i in slots if i is not None and i in self._entries}
 
     # -- bookkeeping -----------------------------------------------------------------------------
+    def _free_slot(self) -> int | None:
+        """An empty slot, else the least recently used one no running request pins; None if all are."""
+        idle = None
+        for slot, held in self._slots.items():
+            if held is None:
+                return slot
+            if idle is None and self._pins[slot] == 0:
+                idle = slot
+        return idle
+
     def _keep_host(self, entry: _Entry) -> None:
         self._host[entry.id] = None
         self._host.move_to_end(entry.id)
