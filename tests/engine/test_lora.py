@@ -101,7 +101,9 @@ def test_unknown_adapter_and_unload_while_running(tiny_llama_dir, adapters) -> N
     llm = lora_llm(tiny_llama_dir, adapters)
     with pytest.raises(UnknownAdapterError):
         llm.core.make_request([1, 2, 3], SamplingParams(adapter="nope"))
-    request = llm.core.make_request([5, 6, 7], SamplingParams(max_new_tokens=4, adapter="qv"))
+    request = llm.core.make_request(
+        [5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True, adapter="qv")
+    )
     llm.core.add(request)
     llm.core.step()
     llm.core.unload_adapter("qv")  # refused from now on; the running request finishes
