@@ -305,8 +305,8 @@ def _display(value: Any) -> str:
         return MASK
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, tuple):
-        return ",".join(map(str, value))
+    if isinstance(value, tuple):  # lora_modules' pairs as name=path, which reads back the same
+        return ",".join("=".join(v) if isinstance(v, tuple) else str(v) for v in value)
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return str(value)

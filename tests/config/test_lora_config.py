@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from neuron_lmi.backends.cpu.lora import cpu_lora
-from neuron_lmi.config import ConfigError, cli_overrides
+from neuron_lmi.config import ConfigError, cli_overrides, format_config
 
 
 def test_keys_from_properties_environment_and_cli(load, write_props, tmp_path: Path) -> None:
@@ -16,6 +16,7 @@ def test_keys_from_properties_environment_and_cli(load, write_props, tmp_path: P
     lora = load(properties=props, env={"OPTION_MAX_LORA_RANK": "32"}).config.lora
     assert (lora.enable_lora, lora.max_loras, lora.max_lora_rank, lora.cpu_loras) == (True, 2, 32, 2)
     assert lora.lora_modules == (("a", "/x/a"), ("b", "/x/b"))
+    assert "a=/x/a,b=/x/b" in format_config(load(properties=props))  # printed as it reads back
     json_list = '[{"name": "a", "path": "s3://bucket/a"}]'
     assert load(env={"OPTION_LORA_MODULES": json_list}).config.lora.lora_modules == (("a", "s3://bucket/a"),)
     cli = cli_overrides({"enable_lora": True, "lora_modules": ["c=/x/c"], "max_cpu_loras": 8, "port": None})
