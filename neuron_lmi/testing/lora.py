@@ -50,18 +50,22 @@ def make_tiny_adapter(
     alpha: float = 16.0,
     seed: int = 0,
     rslora: bool = False,
-    std: float = 0.3,
+    delta: float = 0.1,
     base_name: str | None = None,
     layers: Sequence[int] | None = None,
 ) -> Path:
     """Write a random PEFT LoRA adapter for the checkpoint at ``base_dir`` into ``out_dir``: rank
     ``rank`` on ``targets`` in ``layers`` (default every layer). Both A and B are random (a trained
-    adapter's B is not zero), scaled by ``std`` so that greedy tokens change visibly."""
+    adapter's B is not zero), sized so that the merged update ``s B A`` has entries of standard
+    deviation ``delta``: five times the tiny models' initial weights, so greedy tokens change
+    without the activations blowing up."""
     from safetensors.torch import save_file
 
     config = json.loads((Path(base_dir) / "config.json").read_text())
     shapes = _shapes(config)
     generator = torch.Generator().manual_seed(seed)
+    scale = alpha / (math.sqrt(rank) if rslora else rank)
+    std = math.sqrt(delta / (scale * math.sqrt(rank)))  # (s B A)_ij has std s * sqrt(r) * std**2
     tensors: dict[str, torch.Tensor] = {}
     for layer in layers if layers is not None else range(config["num_hidden_layers"]):
         for module in targets:
