@@ -18,7 +18,7 @@ tokens; ``Scheduler.finish`` releases a row, retaining its prefix. Two small pol
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from cache_api import RowTable
@@ -227,6 +227,8 @@ class Scheduler:
         self._place(plan)
         placed = [c for c in plan.decision.chunks if c.request.row is not None]
         plan.batches = self._batches(placed, plan.decision)
+        if self.adapters is not None:  # only an engine serving adapters looks at them
+            plan.batches = [(with_adapters(batch, requests), requests) for batch, requests in plan.batches]
         return plan
 
     def _table(self) -> RowTable:
@@ -318,7 +320,6 @@ def _decode_line(request: Request) -> _Line:
 
 def _batch(kind: BatchKind, lines: list[_Line], decodes: int = 0) -> tuple[StepBatch, list[Request]]:
     requests = [line[0] for line in lines]
-    slots = tuple(r.lora_slot for r in requests)
     batch = StepBatch(
         kind,
         tuple(r.row for r in requests),  # type: ignore[misc]
@@ -326,6 +327,11 @@ def _batch(kind: BatchKind, lines: list[_Line], decodes: int = 0) -> tuple[StepB
         tuple(line[2] for line in lines),
         tuple(line[3] for line in lines),
         decodes,
-        slots if any(s is not None for s in slots) else None,  # None: no line is adapted
     )
     return batch, requests
+
+
+def with_adapters(batch: StepBatch, requests: list[Request]) -> StepBatch:
+    """``batch`` with its lines' LoRA slots, where any line has one (else ``batch`` itself)."""
+    slots = tuple(r.lora_slot for r in requests)
+    return replace(batch, adapters=slots) if any(s is not None for s in slots) else batch
