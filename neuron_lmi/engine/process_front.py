@@ -335,6 +335,7 @@ class ProcessEngine(EngineFront):
     async def unload_adapter(self, name: str) -> None:
         """Stop serving an adapter at once (``UnknownAdapterError`` if not served); the requests
         already running with it finish, and the engine frees it after the last."""
+        check_accepting(self._alive, stopping=False)  # a draining engine still unloads
         if self.adapters.pop(name, None) is None:
             raise UnknownAdapterError(name, "lora_name")
         await self._adapter_call(wire.UNLOAD_ADAPTER, name)
