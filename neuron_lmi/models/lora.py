@@ -185,9 +185,9 @@ def load_adapter(
 
 
 def _check_base(name: str, base: str | None, base_names: Sequence[str]) -> None:
-    """Names are compared by their last path part: the same model is ``org/Model`` on the Hub and
-    ``/models/Model`` on disk. Nothing to compare (no name on either side) is no mismatch; shapes
-    are checked whatever the names say."""
+    """Names are compared by their last path part (``org/Model`` and a local ``.../Model`` are the
+    same). Nothing to compare (no name on either side) is no mismatch; shapes are checked whatever
+    the names say."""
     known = {Path(str(n).rstrip("/")).name for n in base_names if n}
     if base and known and Path(base.rstrip("/")).name not in known:
         message = f"base_model_name_or_path {base!r} is not the served model ({sorted(known)})"

@@ -93,6 +93,16 @@ def make_tiny_adapter(
     return out
 
 
+def other_base(base_dir: str | Path, out_dir: str | Path, **changes: Any) -> Path:
+    """A directory holding only ``config.json``: the checkpoint at ``base_dir``'s with ``changes``
+    (``hidden_size=32``), enough to make an adapter for another base model."""
+    config = json.loads((Path(base_dir) / "config.json").read_text())
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({**config, **changes}))
+    return out
+
+
 def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path) -> Path:
     """A copy of the checkpoint at ``base_dir`` with the adapter merged into its weights, as PEFT's
     ``merge_and_unload`` computes it (fp32)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from neuron_lmi.backends.cpu.lora import cpu_lora
+from neuron_lmi.backends.cpu.lora import base_names_of, cpu_lora
 from neuron_lmi.config import ConfigError, cli_overrides, format_config
 
 
@@ -61,3 +61,11 @@ def test_cpu_view_finds_adapters_folder_and_refuses_repeats(load, tmp_path: Path
         cpu_lora(load(cli={"lora_modules": f"x={given}"}), model, {})
     with pytest.raises(ValueError, match=r"\['sql'\] given twice"):
         cpu_lora(load(cli={"enable_lora": True, "lora_modules": f"sql={given}"}), model, {})
+
+
+def test_base_names_are_hub_ids_only(tmp_path: Path) -> None:
+    """A Hub id names the base model an adapter records; a directory, S3 prefix or /opt/ml/model does not."""
+    assert base_names_of("meta-llama/Llama-3.1-8B", tmp_path) == ("meta-llama/Llama-3.1-8B",)
+    assert base_names_of(str(tmp_path), tmp_path) == ()
+    assert base_names_of("s3://bucket/llama", tmp_path) == ()
+    assert base_names_of(None, tmp_path) == ()

@@ -11,7 +11,7 @@ import torch
 
 from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.engine.types import InvalidRequestError, SamplingParams, UnknownAdapterError
-from neuron_lmi.testing.lora import ATTENTION, MLP, make_tiny_adapter, merge_adapter
+from neuron_lmi.testing.lora import ATTENTION, MLP, make_tiny_adapter, merge_adapter, other_base
 
 from .conftest import hf_greedy, random_prompts
 
@@ -122,9 +122,10 @@ def test_refusals_name_the_adapter_and_reason(tiny_llama_dir, adapters, tmp_path
     big = make_tiny_adapter(tmp_path / "big", tiny_llama_dir, 16, ("q_proj",))
     with pytest.raises(InvalidRequestError, match=r"'big'.*rank 16 exceeds max_lora_rank=8"):
         llm.core.load_adapter("big", str(big))
-    other = make_tiny_adapter(tmp_path / "other", tiny_llama_dir, 4, ("q_proj",), base_name="org/Other-7B")
-    with pytest.raises(InvalidRequestError, match=r"'other'.*base_model_name_or_path"):
-        llm.core.load_adapter("other", str(other))
+    wide_base = other_base(tiny_llama_dir, tmp_path / "wide_base", hidden_size=128, head_dim=32)
+    wide = make_tiny_adapter(tmp_path / "wide", wide_base, 4, ("q_proj",))
+    with pytest.raises(InvalidRequestError, match=r"'wide': layer 0 q_proj.*another base model"):
+        llm.core.load_adapter("wide", str(wide))
     llm.core.load_adapter("x", str(adapters["qv"]))
     with pytest.raises(InvalidRequestError, match="already loaded"):
         llm.core.load_adapter("x", str(adapters["qv"]))

@@ -13,7 +13,7 @@ import torch
 from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint
 from neuron_lmi.models.lora import AdapterError, LoraSlots, load_adapter
-from neuron_lmi.testing.lora import ATTENTION, MLP, make_tiny_adapter, merge_adapter
+from neuron_lmi.testing.lora import ATTENTION, MLP, make_tiny_adapter, merge_adapter, other_base
 
 
 def _model(path: Path):
@@ -63,10 +63,7 @@ def test_refusals_name_the_adapter_and_reason(tiny_llama_dir: Path, tmp_path: Pa
         load_adapter("mlp", mlp, a, frozenset({"gate_up"}), max_rank=8, base_names=["org/Other"])
     load_adapter("mlp", mlp, a, frozenset({"gate_up"}), max_rank=8, base_names=[f"hub/{tiny_llama_dir.name}"])
 
-    other = tmp_path / "other_base"  # a base model of another width
-    other.mkdir()
-    config = json.loads((tiny_llama_dir / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+    other = other_base(tiny_llama_dir, tmp_path / "other_base", hidden_size=32)  # another width
     wide = make_tiny_adapter(tmp_path / "wide", other, 2, ("q_proj",), base_name="")
     with pytest.raises(AdapterError, match=r"'wide': layer 0 q_proj: .* another base model"):
         load_adapter("wide", wide, a, attention_only, max_rank=8)

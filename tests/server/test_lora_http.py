@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from neuron_lmi.testing.lora import ATTENTION, MLP, make_tiny_adapter, merge_adapter
+from neuron_lmi.testing.lora import ATTENTION, MLP, make_tiny_adapter, merge_adapter, other_base
 from tests.engine.conftest import hf_greedy
 from tests.server.conftest import ServerProcess, start_server
 
@@ -29,7 +29,9 @@ def adapter_dirs(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory)
         "mlp": make_tiny_adapter(root / "mlp", tiny_llama_dir, 8, MLP, 16.0, seed=12),
         "all": make_tiny_adapter(root / "all", tiny_llama_dir, 2, ATTENTION + MLP, 4.0, seed=13),
         "big": make_tiny_adapter(root / "big", tiny_llama_dir, 16, ("q_proj",), seed=14),
-        "other": make_tiny_adapter(root / "other", tiny_llama_dir, 2, ("q_proj",), base_name="org/Other-7B"),
+        "wide": make_tiny_adapter(
+            root / "wide", other_base(tiny_llama_dir, root / "wide_base", hidden_size=128), 2, ("q_proj",)
+        ),
     }
 
 
@@ -120,8 +122,10 @@ def load(http: httpx.Client, name: str, path: Path | str) -> httpx.Response:
 def test_refusals_name_the_field(http: httpx.Client, adapter_dirs) -> None:
     r = load(http, "big", adapter_dirs["big"])
     assert r.status_code == 400 and "'big'" in r.text and "max_lora_rank=8" in r.text
-    r = load(http, "other", adapter_dirs["other"])
-    assert r.status_code == 400 and "base_model_name_or_path" in r.text, r.text
+    r = load(http, "wide", adapter_dirs["wide"])
+    assert (
+        r.status_code == 400 and "another base model" in r.text and r.json()["error"]["param"] == "lora_path"
+    )
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "qv", "lora_path": str(adapter_dirs["qv"])})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such/adapter"})

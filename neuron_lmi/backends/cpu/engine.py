@@ -198,7 +198,7 @@ def build_cpu_engine_core(
         options.quantize or "dense",
         runner.cache.nbytes() / 2**20,
     )
-    adapters = adapter_table(options.lora, plan.model, ckpt.config) if options.lora is not None else None
+    adapters = adapter_table(options.lora, plan.model) if options.lora is not None else None
     eos = eos_ids_for(ckpt.config, tokenizer)
     core = EngineCore(runner, tokenizer, eos, options.max_prefill_tokens, adapters=adapters)
     return core, ckpt.config

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from neuron_lmi.engine.lora import AdapterTable
 from neuron_lmi.engine.types import InvalidRequestError
-from neuron_lmi.model_source import fetch_adapter, model_cache_dir
+from neuron_lmi.model_source import HUB_ID, fetch_adapter, model_cache_dir
 from neuron_lmi.models.lora import load_adapter
 
 if TYPE_CHECKING:
@@ -45,6 +45,15 @@ class CpuLora:
     base_names: tuple[str, ...]
 
 
+def base_names_of(model_id: str | None, model_path: Path) -> tuple[str, ...]:
+    """The names an adapter's ``base_model_name_or_path`` is checked against: the Hub id the model
+    was served by. A local directory, an S3 prefix or SageMaker's ``/opt/ml/model`` names nothing an
+    adapter could have recorded, so there only the weights' shapes decide."""
+    if model_id and HUB_ID.fullmatch(model_id) and not Path(model_id).exists():
+        return (model_id,)
+    return ()
+
+
 def cpu_lora(
     resolved: ResolvedConfig, model_path: Path, env: Mapping[str, str] | None = None
 ) -> CpuLora | None:
@@ -67,24 +76,23 @@ def cpu_lora(
         raise ValueError(
             f"option.lora_modules: adapter name(s) {repeated} given twice (or also in adapters/)"
         )
-    model_id = resolved.config.model.model_id
     return CpuLora(
         lora.max_loras,
         lora.max_lora_rank,
         lora.cpu_loras,
         tuple(modules),
-        tuple(n for n in (model_id, str(model_path)) if n),
+        base_names_of(resolved.config.model.model_id, Path(model_path)),
     )
 
 
-def adapter_table(lora: CpuLora, model: Any, config: Any) -> AdapterTable:
-    """The engine's adapter table for ``model`` (built from checkpoint ``config``), with the
-    start-up adapters registered; raises ``ValueError`` naming the adapter that cannot be served."""
-    base_names = (*lora.base_names, getattr(config, "_name_or_path", "") or "")
+def adapter_table(lora: CpuLora, model: Any) -> AdapterTable:
+    """The engine's adapter table for ``model``, with the start-up adapters registered; raises
+    ``ValueError`` naming the adapter that cannot be served."""
     projections = model.lora_projections()
 
     def load(name: str, path: str) -> Any:
-        return load_adapter(name, path, model.args, projections, lora.max_lora_rank, base_names, model.dtype)
+        rank, names = lora.max_lora_rank, lora.base_names
+        return load_adapter(name, path, model.args, projections, rank, names, model.dtype)
 
     table = AdapterTable(lora.max_loras, lora.max_cpu_loras, load)
     for name, path in lora.modules:
