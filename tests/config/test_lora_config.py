@@ -52,7 +52,7 @@ def test_cpu_view_finds_adapters_folder_and_refuses_repeats(load, tmp_path: Path
     lora = cpu_lora(load(cli={"enable_lora": True, "lora_modules": f"x={given}"}), model, {})
     assert lora is not None
     assert lora.modules == (
-        ("x", str(given)),
+        ("x", str(given.resolve())),
         ("chat", str(model / "adapters" / "chat")),
         ("sql", str(model / "adapters" / "sql")),
     )
