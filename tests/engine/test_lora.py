@@ -4,12 +4,14 @@ requests wait (and reloads evicted adapters); prefix reuse never shares K/V acro
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from neuron_lmi.backends.cpu.llm import LLM
+from neuron_lmi.backends.cpu.lora import adapter_table
 from neuron_lmi.engine.types import InvalidRequestError, SamplingParams, UnknownAdapterError
 from neuron_lmi.testing.lora import ATTENTION, MLP, make_tiny_adapter, merge_adapter, other_base
 
@@ -55,6 +57,12 @@ def lora_llm(model: Path, adapters: dict[str, Path], **keys: object) -> LLM:
     )
 
 
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: Path, adapters: dict[str, Path]) -> LLM:
+    """Three slots for the three adapters (each test leaves them served as it found them)."""
+    return lora_llm(tiny_llama_dir, adapters)
+
+
 def check(llm: LLM, references, jobs: list[tuple[list[int], str | None]]) -> None:
     params = [SamplingParams(max_new_tokens=NEW_TOKENS, adapter=a) for _, a in jobs]
     results = llm.generate([p for p, _ in jobs], params)
@@ -65,8 +73,7 @@ def check(llm: LLM, references, jobs: list[tuple[list[int], str | None]]) -> Non
     assert llm.core.runner.rows.occupancy().rows_used == 0
 
 
-def test_adapters_and_base_in_one_batch_match_merged_weights(tiny_llama_dir, adapters, references) -> None:
-    llm = lora_llm(tiny_llama_dir, adapters)
+def test_adapters_and_base_in_one_batch_match_merged_weights(llm: LLM, references) -> None:
     prompts = random_prompts([7, 20, 5, 33, 11], seed=5)
     jobs = list(zip(prompts, ["qv", "mlp", None, "all", "qv"], strict=True))
     # Each adapter changes the greedy tokens, or the parity below would prove nothing.
@@ -87,20 +94,18 @@ def test_one_slot_makes_requests_wait_and_reloads_evicted_adapters(
     assert llm.core.adapters is not None and len(llm.core.adapters.resident()) == 1
 
 
-def test_prefix_reuse_never_crosses_adapters(tiny_llama_dir, adapters, references) -> None:
+def test_prefix_reuse_never_crosses_adapters(llm: LLM, references) -> None:
     """The same long prompt on the base model, then with an adapter: the retained row of the first
     must not seed the second (its K/V were computed without the adapter)."""
-    llm = lora_llm(tiny_llama_dir, adapters)
     prompt = random_prompts([40], seed=7)[0]
     check(llm, references, [(prompt, None)])
     check(llm, references, [(prompt, "all")])
     check(llm, references, [(prompt, "all")])  # and a row retained with the same adapter is reused
 
 
-def test_unknown_adapter_and_unload_while_running(tiny_llama_dir, adapters) -> None:
-    llm = lora_llm(tiny_llama_dir, adapters)
+def test_unknown_adapter_and_unload_while_running(llm: LLM, adapters) -> None:
     with pytest.raises(UnknownAdapterError):
-        llm.core.make_request([1, 2, 3], SamplingParams(adapter="nope"))
+        llm.core.make_request([1, 2, 3], SamplingParams(max_new_tokens=4, adapter="nope"))
     request = llm.core.make_request(
         [5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True, adapter="qv")
     )
@@ -108,7 +113,7 @@ def test_unknown_adapter_and_unload_while_running(tiny_llama_dir, adapters) -> N
     llm.core.step()
     llm.core.unload_adapter("qv")  # refused from now on; the running request finishes
     with pytest.raises(UnknownAdapterError):
-        llm.core.make_request([1, 2, 3], SamplingParams(adapter="qv"))
+        llm.core.make_request([1, 2, 3], SamplingParams(max_new_tokens=4, adapter="qv"))
     while llm.core.has_work():
         llm.core.step()
     assert len(request.output_ids) == 4 and request.finish_reason.value == "length"
@@ -117,8 +122,7 @@ def test_unknown_adapter_and_unload_while_running(tiny_llama_dir, adapters) -> N
     assert "qv" in llm.core.adapter_names()
 
 
-def test_refusals_name_the_adapter_and_reason(tiny_llama_dir, adapters, tmp_path) -> None:
-    llm = lora_llm(tiny_llama_dir, {})
+def test_refusals_name_the_adapter_and_reason(llm: LLM, tiny_llama_dir, adapters, tmp_path) -> None:
     big = make_tiny_adapter(tmp_path / "big", tiny_llama_dir, 16, ("q_proj",))
     with pytest.raises(InvalidRequestError, match=r"'big'.*rank 16 exceeds max_lora_rank=8"):
         llm.core.load_adapter("big", str(big))
@@ -129,5 +133,8 @@ def test_refusals_name_the_adapter_and_reason(tiny_llama_dir, adapters, tmp_path
     llm.core.load_adapter("x", str(adapters["qv"]))
     with pytest.raises(InvalidRequestError, match="already loaded"):
         llm.core.load_adapter("x", str(adapters["qv"]))
-    with pytest.raises(ValueError, match=r"option.lora_modules: adapter 'big'"):
-        lora_llm(tiny_llama_dir, {"big": big})
+    llm.core.unload_adapter("x")
+    lora = llm.options.lora
+    assert lora is not None
+    with pytest.raises(ValueError, match=r"option.lora_modules: adapter 'big'"):  # at start-up
+        adapter_table(replace(lora, modules=(("big", str(big)),)), llm.core.runner.model)
