@@ -6,6 +6,7 @@ running while its adapter is unloaded finishes; no KV row is left behind."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,7 +44,10 @@ def lora_server(
     args = ["--max-rolling-batch-size", "4", "--n-positions", "128", "--dtype", "fp32"]
     lora = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
     lora += ["--lora-modules", f"qv={adapter_dirs['qv']}"]
-    server = start_server(tiny_llama_dir, tmp, [*args, *lora])
+    # ``python -m`` from the checkout: the code under test, whichever copy the console script imports.
+    server = start_server(
+        tiny_llama_dir, tmp, [*args, *lora], command=[sys.executable, "-m", "neuron_lmi.cli"]
+    )
     yield server
     code = server.stop()
     if code != 0:
