@@ -19,15 +19,10 @@ from neuron_lmi.config.hf_config import max_position_embeddings, read_hf_config
 from neuron_lmi.config.options import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MODEL
 from neuron_lmi.engine.async_engine import AsyncEngine
 from neuron_lmi.engine.core import EngineCore
-from neuron_lmi.model_source import fetch_model
+from neuron_lmi.model_source import fetch_model, model_cache_dir
 
 if TYPE_CHECKING:
     from neuron_lmi.config import ResolvedConfig
-
-
-def model_cache_dir(env: Mapping[str, str]) -> Path:
-    """Where fetched models go: ``NEURON_LMI_MODEL_CACHE``, else ``~/.cache/neuron-lmi/models``."""
-    return Path(env.get("NEURON_LMI_MODEL_CACHE") or Path.home() / ".cache" / "neuron-lmi" / "models")
 
 
 def model_name(resolved: ResolvedConfig) -> str:

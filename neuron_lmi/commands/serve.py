@@ -43,6 +43,8 @@ SAGEMAKER_PORT_VAR = "SAGEMAKER_BIND_TO_PORT"
 # then the engine's stop (its own grace, then up to 5 s joining its thread): 20 + 3 + 5 < 30.
 SAGEMAKER_HTTP_DRAIN_S = 20.0
 SAGEMAKER_ENGINE_STOP_S = 3.0
+# Backends that would ignore option.enable_lora: refused at start rather than serving without it.
+LORA_REFUSED = frozenset({"neuron-nxdi", "neuron-tnx"})
 
 
 def add_parser(subparsers: Any) -> None:
@@ -75,6 +77,18 @@ def add_parser(subparsers: Any) -> None:
         choices=("deepseek_r1", "qwen3"),
         help="split the model's <think> block off into message.reasoning (vLLM's parser names)",
     )
+    p.add_argument(
+        "--enable-lora", action="store_true", default=None, help="option.enable_lora: serve LoRA adapters"
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="option.lora_modules: adapters served from the start (a directory, s3://... or a Hub id)",
+    )
+    p.add_argument("--max-loras", type=int, help="option.max_loras: adapters resident at once (default 4)")
+    p.add_argument("--max-lora-rank", type=int, help="option.max_lora_rank: the largest rank (default 16)")
+    p.add_argument("--max-cpu-loras", type=int, help="option.max_cpu_loras: adapters kept in host memory")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     p.set_defaults(func=run)
 
@@ -172,6 +186,10 @@ def build_engine(resolved: ResolvedConfig, env: Mapping[str, str] | None = None)
         nxdi_on_cpu=on_cpu,
     )
     log.info("%s; tensor parallel degree %d (%s)", choice.summary(), tp, how)
+    if cfg.lora.enable_lora and choice.name in LORA_REFUSED:  # vLLM reads the keys itself
+        raise ValueError(
+            f"option.enable_lora: the {choice.name} backend serves no LoRA adapters yet (cpu does)"
+        )
     builder = registry.get(choice.name)
     return builder(registry.BuildRequest(resolved, env, choice.name, tp, choice))
 

@@ -16,7 +16,15 @@ from neuron_lmi.config.sources import Origin
 
 # Shared keys vLLM reads itself when it serves: LMI's option.quantize is vLLM's quantization, and
 # option.enforce_eager is vLLM's own switch (ours turns off the CPU engine's compiled graphs).
-VLLM_RELEASED_FIELDS = ("quantize", "enforce_eager")
+VLLM_RELEASED_FIELDS = (
+    "quantize",
+    "enforce_eager",
+    # LoRA: the CPU engine's settings and vLLM's engine arguments of the same names.
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
+)
 OPTION_PREFIX = "option."
 OPTION_ENV_PREFIX = "OPTION_"
 

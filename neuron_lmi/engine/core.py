@@ -19,6 +19,7 @@ from neuron_lmi.config.options import DEFAULT_MAX_PREFILL_TOKENS
 from neuron_lmi.engine.admission import Admission, AdmissionLimits, ValidRequest
 from neuron_lmi.engine.device_sampling import host_field, line_sampling
 from neuron_lmi.engine.grammar import GrammarCompiler
+from neuron_lmi.engine.lora import AdapterTable
 from neuron_lmi.engine.prefix import PrefixIndex
 from neuron_lmi.engine.request import EventSink, Request, Status
 from neuron_lmi.engine.sampling import SampleOutput, prompt_logprobs, sample
@@ -34,6 +35,7 @@ from neuron_lmi.engine.step_clock import ForwardTimer
 from neuron_lmi.engine.types import (
     EngineStats,
     FinishReason,
+    InvalidRequestError,
     PromptToken,
     SamplingParams,
     TokenEvent,
@@ -56,6 +58,10 @@ class EngineCore:
     and prefix reuse (a finished row retains its K/V until reallocated); elsewhere whole prompts
     within ``max_prefill_tokens``. The scheduler turns the capabilities into the step's batches
     (one mixed batch, or one per kind).
+
+    ``adapters`` (with a runner whose ``capabilities.lora``): the LoRA adapters it serves. A request
+    holds its adapter from ``request_of`` until it finishes; the scheduler gives it a slot when it
+    gets a row, and the slot writes that takes are applied before the step's batches.
     """
 
     def __init__(
@@ -66,6 +72,7 @@ class EngineCore:
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         prefill: PrefillPolicy | None = None,
         prefix_reuse: bool = True,
+        adapters: AdapterTable | None = None,
     ) -> None:
         self.runner = runner
         self.capabilities = capabilities = capabilities_of(runner)
@@ -76,6 +83,11 @@ class EngineCore:
         # For synchronous users (``make_request``); capacity is the fronts' to check (they own the
         # queues): no queue bound here.
         self.admission = Admission(tokenizer.encode, self.admission_limits(0))
+        if adapters is not None and not capabilities.lora:
+            raise ValueError(f"{type(runner).__name__} has no LoRA slots for the adapters it was given")
+        self.adapters = adapters
+        if adapters is not None:
+            self.admission.adapters = adapters.served
         self._stop_ids = sorted(self.eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, runner.vocab_size, self._stop_ids)
         # The sampler's draw is a native kernel: built (once per host) or loaded now, at start-up,
@@ -91,7 +103,7 @@ class EngineCore:
             )
         prefix = PrefixIndex(runner.rows) if extend and prefix_reuse else None
         prefill = prefill or WholePrompts(max_prefill_tokens)
-        self.scheduler = Scheduler(max_prefill_tokens, prefill, prefix, runner.rows, capabilities)
+        self.scheduler = Scheduler(max_prefill_tokens, prefill, prefix, runner.rows, capabilities, adapters)
         self.requests: dict[str, Request] = {}
         self.steps = 0
 
@@ -128,14 +140,38 @@ class EngineCore:
         if not params.greedy:
             seed = params.seed if params.seed is not None else random.getrandbits(63)
             generator = torch.Generator().manual_seed(seed)
+        grammar = self.grammars.state(params.grammar) if params.grammar is not None else None
+        adapter_id = None
+        if params.adapter is not None:  # unloaded since admission: refused here (404)
+            if self.adapters is None:
+                raise InvalidRequestError("this engine serves no LoRA adapters", "adapter")
+            adapter_id = self.adapters.hold(params.adapter)
         return Request(
             request_id=valid.request_id,
             prompt_ids=valid.prompt_ids,
             params=params,
             generator=generator,
             sink=sink,
-            grammar=self.grammars.state(params.grammar) if params.grammar is not None else None,
+            grammar=grammar,
+            adapter_id=adapter_id,
         )
+
+    # -- adapters -----------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str) -> None:
+        """Register a LoRA adapter (read and checked now; raises ``InvalidRequestError`` naming it)."""
+        if self.adapters is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (option.enable_lora)", "lora_name")
+        self.adapters.register(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget an adapter (``UnknownAdapterError`` if not served); its running requests finish."""
+        if self.adapters is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (option.enable_lora)", "lora_name")
+        self.adapters.unregister(name)
+
+    def adapter_names(self) -> dict[str, str]:
+        """Served adapters: name -> path."""
+        return self.adapters.names() if self.adapters is not None else {}
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -155,6 +191,9 @@ class EngineCore:
     def step(self) -> list[TokenEvent]:
         """Schedule (the scheduler places rows and cuts batches), run each batch, apply its tokens."""
         plan = self.scheduler.next_step()
+        if self.adapters is not None:  # adapters moving into slots no running line uses
+            for slot, weights in self.adapters.take_writes():
+                self.runner.set_adapter(slot, weights)
         events = [self._fail(request, exc, "placing") for request, exc in plan.failed]
         for request, hit in plan.copies:
             try:
@@ -312,6 +351,9 @@ class EngineCore:
         if request.status is Status.FINISHED:
             return
         self.scheduler.finish(request, keep_prefix=reason is not FinishReason.ERROR)
+        if request.adapter_id is not None and self.adapters is not None:
+            self.adapters.release(request.adapter_id)
+            request.adapter_id = None
         self.requests.pop(request.request_id, None)
         request.status = Status.FINISHED
         request.finish_reason = reason

@@ -43,6 +43,10 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    # The LoRA adapter's registration id while the request holds it (``engine.lora``; None: the base
+    # model), and the runner slot it runs in while it holds a row.
+    adapter_id: int | None = None
+    lora_slot: int | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -10,16 +10,19 @@ tokens; ``Scheduler.finish`` releases a row, retaining its prefix. Two small pol
 * ``PrefillPolicy`` — how many prompt tokens a step computes: ``WholePrompts`` (every prompt in
   one piece, within a prefill budget) or ``ChunkedPrefill`` (one budget shared with the running
   decodes; prompts are split into chunks, so a burst of long prompts never freezes the streams);
-* ``PrefixIndex`` (``engine.prefix``) — which cached prefix a new prompt can start from.
+* ``PrefixIndex`` (``engine.prefix``) — which cached prefix a new prompt can start from;
+* ``AdapterTable`` (``engine.lora``) — the runner's LoRA slots: a request with an adapter is
+  admitted once its adapter has a slot (``pin``), and each batch carries its lines' slots.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from cache_api import RowTable
+from neuron_lmi.engine.lora import AdapterTable
 from neuron_lmi.engine.prefix import PrefixHit, PrefixIndex
 from neuron_lmi.engine.request import Request, Status
 from neuron_lmi.runners.base import BatchKind, RunnerCapabilities, StepBatch
@@ -148,6 +151,7 @@ class Scheduler:
         prefix: PrefixIndex | None = None,
         rows: RowTable | None = None,
         capabilities: RunnerCapabilities | None = None,
+        adapters: AdapterTable | None = None,
     ) -> None:
         if max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
@@ -156,8 +160,10 @@ class Scheduler:
         self.prefix = prefix
         self.rows = rows
         self.capabilities = capabilities or RunnerCapabilities()
+        self.adapters = adapters
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._failed: list[tuple[Request, Exception]] = []  # refused while admitting (an adapter's read)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -188,11 +194,22 @@ class Scheduler:
         claimed: set[int] = set()  # retained rows already taken over this step
         while self.waiting and len(admitted) < free_rows:
             request = self.waiting[0]
-            hit = self.prefix.match(request.prompt_ids, self.running, claimed) if self.prefix else None
+            hit = None
+            if self.prefix is not None:
+                hit = self.prefix.match(request.prompt_ids, self.running, claimed, request.adapter_id)
             start = hit.length if hit else 0
             n = self._take(len(request.prompt_ids) - start, budget, first=not chunks)
             if n == 0:
                 break
+            if request.adapter_id is not None and self.adapters is not None:
+                try:
+                    request.lora_slot = self.adapters.pin(request.adapter_id)
+                except Exception as exc:  # its adapter could not be read again: this request fails
+                    self.waiting.popleft()
+                    self._failed.append((request, exc))
+                    continue
+                if request.lora_slot is None:  # every slot runs other adapters: wait, in order
+                    break
             self.waiting.popleft()
             if hit is not None and hit.retained:
                 claimed.add(hit.row)
@@ -213,9 +230,12 @@ class Scheduler:
         """Decide the step (``schedule``), place its new requests and cut it into batches."""
         rows = self._table()
         plan = StepPlan(self.schedule(rows.occupancy().rows_free))
+        plan.failed, self._failed = self._failed, []
         self._place(plan)
         placed = [c for c in plan.decision.chunks if c.request.row is not None]
         plan.batches = self._batches(placed, plan.decision)
+        if self.adapters is not None:  # only an engine serving adapters looks at them
+            plan.batches = [(with_adapters(batch, requests), requests) for batch, requests in plan.batches]
         return plan
 
     def _table(self) -> RowTable:
@@ -279,8 +299,11 @@ class Scheduler:
                 keep = 0
             rows.remove(request.row, keep)
             if keep:
-                prefix.retain(request.row, request.all_ids[:keep])  # type: ignore[union-attr]
+                prefix.retain(request.row, request.all_ids[:keep], request.adapter_id)  # type: ignore[union-attr]
             request.row = None
+        if request.lora_slot is not None and self.adapters is not None:
+            self.adapters.unpin(request.lora_slot)
+            request.lora_slot = None
         self.remove(request)
 
     def remove(self, request: Request) -> None:
@@ -317,3 +340,9 @@ def _batch(kind: BatchKind, lines: list[_Line], decodes: int = 0) -> tuple[StepB
         decodes,
     )
     return batch, requests
+
+
+def with_adapters(batch: StepBatch, requests: list[Request]) -> StepBatch:
+    """``batch`` with its lines' LoRA slots, where any line has one (else ``batch`` itself)."""
+    slots = tuple(r.lora_slot for r in requests)
+    return replace(batch, adapters=slots) if any(s is not None for s in slots) else batch

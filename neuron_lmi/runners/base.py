@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -41,6 +41,10 @@ class StepBatch:
     prompt's last samples nothing); ``decodes`` counts the lines that are a row's decode (what the
     step clock reports as the batch size). The runner writes rows from ``starts``, whatever lengths
     they hold, so a failed batch can be sent again line by line.
+
+    ``adapters``: the LoRA slot of each line (None for a line of the base model), or None when no
+    line is adapted: the common case, which a runner takes without looking at adapters at all. Only
+    for runners with ``capabilities.lora``; the slots are the ones ``set_adapter`` filled.
     """
 
     kind: BatchKind
@@ -49,6 +53,7 @@ class StepBatch:
     chunks: tuple[Sequence[int], ...]
     samples: tuple[bool, ...]
     decodes: int = 0
+    adapters: tuple[int | None, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -57,7 +62,11 @@ class StepBatch:
         """Line ``i`` alone, as a batch of its own kind (a failed batch's retry)."""
         one = self.chunks[i]
         decodes = 1 if self.kind is BatchKind.DECODE or (self.decodes and len(one) == 1) else 0
-        return StepBatch(self.kind, (self.rows[i],), (self.starts[i],), (one,), (self.samples[i],), decodes)
+        slot = self.adapters[i] if self.adapters is not None else None
+        adapters = (slot,) if slot is not None else None
+        return StepBatch(
+            self.kind, (self.rows[i],), (self.starts[i],), (one,), (self.samples[i],), decodes, adapters
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +141,9 @@ class RunnerCapabilities:
     puts the decodes before the step's new prompts, so a row being prefilled is never live during
     a decode and every running request steps in it.
     ``device_sampling``: the device draws the tokens (``forward_sampled``); None: logits only.
+    ``lora_slots``: how many LoRA adapters the runner holds at once (``set_adapter``; batches may
+    then carry ``StepBatch.adapters``); 0: no adapters (admission refuses a request for one).
+    ``lora_rank``: the largest adapter rank a slot holds.
 
     What one forward takes, so that the scheduler cuts each step into batches the runner computes as
     they come (a runner never splits or re-routes a batch): ``max_chunk_tokens``, the longest line
@@ -148,6 +160,12 @@ class RunnerCapabilities:
     max_chunk_tokens: int | None = None
     mixed_limits: MixedStepLimits | None = None
     prefill_as_extend: bool = False
+    lora_slots: int = 0
+    lora_rank: int = 0
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_slots > 0
 
     def __post_init__(self) -> None:
         if self.mixed_steps and not self.extend:
@@ -169,8 +187,9 @@ class ModelRunner(Protocol):
     first ``n`` positions into another allocated row; ``prompt_logits`` (with
     ``capabilities.prompt_logits``) scores a prompt without touching any row; ``forward_sampled``
     (with ``capabilities.device_sampling``) computes the batch as ``forward`` does and draws line
-    ``i``'s token from ``sampling[i]`` on the device. Nothing above the runner knows bucket sizes or
-    tensor layouts.
+    ``i``'s token from ``sampling[i]`` on the device. ``set_adapter`` (with ``capabilities.lora``)
+    puts an adapter's weights into a slot (None clears it); the engine calls it only for a slot no
+    running line uses. Nothing above the runner knows bucket sizes or tensor layouts.
     """
 
     rows: RowTable
@@ -185,6 +204,8 @@ class ModelRunner(Protocol):
     def prompt_logits(self, prompt: Sequence[int]) -> torch.Tensor: ...
 
     def forward_sampled(self, batch: StepBatch, sampling: Sequence[LineSampling]) -> SampledStep: ...
+
+    def set_adapter(self, slot: int, adapter: Any) -> None: ...
 
 
 class ForwardByKind:

@@ -25,6 +25,7 @@ import torch
 from neuron_lmi.backends.backend import load_runner
 from neuron_lmi.backends.common import cache_for, eos_ids_for, fetch
 from neuron_lmi.backends.cpu.backend import CPU_BACKEND
+from neuron_lmi.backends.cpu.lora import CpuLora, adapter_table, cpu_lora
 from neuron_lmi.config.dtypes import DTYPES, canonical_dtype
 from neuron_lmi.config.options import (
     DEFAULT_MAX_PREFILL_TOKENS,
@@ -108,6 +109,8 @@ class CpuEngineOptions:
     # Engine processes started after one dies (ProcessEngine); 0 with SERVING_FAIL_FAST, where the
     # server exits instead and SageMaker or Kubernetes replaces it.
     max_restarts: int
+    # option.enable_lora and its kin, the start-up adapters fetched (backends.cpu.lora); None: off.
+    lora: CpuLora | None
 
     @classmethod
     def from_resolved(
@@ -137,6 +140,7 @@ class CpuEngineOptions:
             pack_weights=True,
             compile_graphs=not cfg.model.enforce_eager,
             max_restarts=0 if cfg.server.fail_fast else DEFAULT_MAX_RESTARTS,
+            lora=cpu_lora(resolved, Path(model_path)),
         )
 
     @classmethod
@@ -195,7 +199,9 @@ def build_cpu_engine_core(
         options.quantize or "dense",
         runner.cache.nbytes() / 2**20,
     )
-    core = EngineCore(runner, tokenizer, eos_ids_for(ckpt.config, tokenizer), options.max_prefill_tokens)
+    adapters = adapter_table(options.lora, plan.model) if options.lora is not None else None
+    eos = eos_ids_for(ckpt.config, tokenizer)
+    core = EngineCore(runner, tokenizer, eos, options.max_prefill_tokens, adapters=adapters)
     return core, ckpt.config
 
 

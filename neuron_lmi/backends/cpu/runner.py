@@ -12,7 +12,8 @@ from cache_api import RowTable
 from neuron_lmi.backends.cpu.buckets import chunk_buckets, pack_into_bins, pick_bucket, power_of_two_buckets
 from neuron_lmi.backends.cpu.graphs import right_padded
 from neuron_lmi.models.llama import LlamaForCausalLM
-from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities, ascending, in_asked_order
+from neuron_lmi.models.lora import LoraAdapter, LoraBatch, LoraSlots
+from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities, StepBatch, ascending, in_asked_order
 
 if TYPE_CHECKING:
     from neuron_lmi.backends.cpu.compiled_decode import CompiledDecode
@@ -35,6 +36,12 @@ class CpuRunner(ForwardByKind):
     packing). With the compiled step graph (``compiled_decode``) an extend batch may mix decodes
     (chunks of one token) with prompt chunks (``mixed_steps``), within the graph's limits
     (``mixed_limits``).
+
+    With ``lora_slots`` the runner holds that many LoRA adapters (``models.lora.LoraSlots``, ranks
+    up to ``lora_rank``). A batch with adapted lines (``StepBatch.adapters``) runs the eager
+    ``extend`` whatever graphs are compiled: the compiled graphs have the base weights frozen in and
+    take no adapter, so such a batch (its base lines too: a mixed step is one batch) goes eager,
+    every line written from its start. A batch without adapters takes the usual path unchanged.
     """
 
     def __init__(
@@ -45,6 +52,8 @@ class CpuRunner(ForwardByKind):
         context_buckets: list[int] | None = None,
         compiled_decode: CompiledDecode | None = None,
         compiled_extend: CompiledExtend | None = None,
+        lora_slots: int = 0,
+        lora_rank: int = 0,
     ) -> None:
         if n_positions > model.n_positions:
             raise ValueError(
@@ -70,6 +79,13 @@ class CpuRunner(ForwardByKind):
         # chunks in one forward, as far as its limits go (the scheduler cuts a step past them).
         extend = self.supports_extend
         mixed = extend and compiled_decode is not None
+        self.lora: LoraSlots | None = None
+        if lora_slots:
+            projections = model.lora_projections()
+            if not projections:
+                name = type(model).__name__
+                raise ValueError(f"option.enable_lora: {name} (as built here) cannot run LoRA adapters")
+            self.lora = LoraSlots(model.args, projections, lora_slots, lora_rank, model.dtype)
         self.capabilities = RunnerCapabilities(
             extend=extend,
             mixed_steps=mixed,
@@ -77,7 +93,21 @@ class CpuRunner(ForwardByKind):
             max_chunk_tokens=self.context_buckets[-1] if extend else None,
             mixed_limits=compiled_decode.limits if mixed and compiled_decode is not None else None,
             prefill_as_extend=extend and (compiled_decode is not None or compiled_extend is not None),
+            lora_slots=lora_slots,
+            lora_rank=lora_rank if lora_slots else 0,
         )
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        if batch.adapters is None:
+            return ForwardByKind.forward(self, batch)
+        for row, start in zip(batch.rows, batch.starts, strict=True):
+            self.rows.set_length(row, start)
+        return self._extend_eager(batch.rows, batch.chunks, batch.adapters)
+
+    def set_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
+        if self.lora is None:
+            raise ValueError("this runner was built without LoRA slots (option.enable_lora)")
+        self.lora.write(slot, adapter)
 
     @property
     def rows(self) -> RowTable:
@@ -160,29 +190,43 @@ class CpuRunner(ForwardByKind):
             for row, start, chunk in zip(rows, starts, chunks, strict=True):
                 self.rows.set_length(row, start + len(chunk))
             return logits
-        # Padded to its chunk bucket (several buckets: one model call each, so a short chunk does
-        # not pay for a long one's padding); a chunk past the largest is refused by pick_bucket.
+        return self._extend_eager(rows, chunks)
+
+    def _extend_eager(
+        self,
+        rows: Sequence[int],
+        chunks: Sequence[Sequence[int]],
+        adapters: Sequence[int | None] | None = None,
+    ) -> torch.Tensor:
+        """The eager extend, padded to each chunk's bucket (several buckets: one model call each, so
+        a short chunk does not pay for a long one's padding; a chunk past the largest is refused by
+        pick_bucket). ``adapters``: each line's LoRA slot (an adapted batch)."""
         logits = torch.empty(len(rows), self.vocab_size)
         by_bucket: dict[int, list[int]] = defaultdict(list)
         for i, chunk in enumerate(chunks):
             by_bucket[pick_bucket(self.chunk_buckets, len(chunk))].append(i)
         for bucket, members in by_bucket.items():
             pieces = [list(chunks[i]) for i in members]
-            logits[members] = self._extend_bucket([rows[i] for i in members], pieces, bucket)
+            lora = None
+            if adapters is not None and self.lora is not None:
+                lora = self.lora.batch([adapters[i] for i in members])
+            logits[members] = self._extend_bucket([rows[i] for i in members], pieces, bucket, lora)
         return logits
 
-    def _extend_bucket(self, rows: list[int], pieces: list[list[int]], bucket: int) -> torch.Tensor:
+    def _extend_bucket(
+        self, rows: list[int], pieces: list[list[int]], bucket: int, lora: LoraBatch | None = None
+    ) -> torch.Tensor:
         starts = self.rows.lengths(rows)
         lengths = [len(p) for p in pieces]
         compiled = self.compiled_extend
-        if compiled is not None and compiled.covers(starts, lengths):
+        if lora is None and compiled is not None and compiled.covers(starts, lengths):
             out = compiled(rows, pieces, starts, self.cache.k, self.cache.v)
         else:
             tokens = right_padded(pieces, bucket)
             ends = max(s + n for s, n in zip(starts, lengths, strict=True))
             out = self.model.extend(
                 tokens, torch.tensor(rows, dtype=torch.long), torch.tensor(starts, dtype=torch.long),
-                lengths, self.cache.k, self.cache.v, pick_bucket(self.token_buckets, ends),
+                lengths, self.cache.k, self.cache.v, pick_bucket(self.token_buckets, ends), lora,
             )  # fmt: skip
         for row, start, n in zip(rows, starts, lengths, strict=True):
             self.rows.set_length(row, start + n)
