@@ -61,7 +61,8 @@ def replay(core: EngineCore, workload: Workload, concurrency: int, requests: int
             if event.finish_reason is not None:
                 live.discard(request_id)
 
-        params = SamplingParams(max_new_tokens=spec.max_tokens, ignore_eos=True)
+        # As the OpenAI route admits the serving bench's requests: no log-probabilities asked for.
+        params = SamplingParams(max_new_tokens=spec.max_tokens, ignore_eos=True, logprobs=False)
         core.add(core.make_request(spec.prompt, params, request_id=request_id, sink=sink))
         live.add(request_id)
 

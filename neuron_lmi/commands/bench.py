@@ -68,6 +68,7 @@ def _openai_endpoint(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The load generator (httpx, asyncio, plotting) loads when the command runs, not on every CLI start.
     from neuron_lmi.bench.protocols import Api, RequestOptions
     from neuron_lmi.bench.report import format_table, plot, summarize, write_results, write_timeline
     from neuron_lmi.bench.runner import LoadConfig, run_sweep

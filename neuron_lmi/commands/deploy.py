@@ -9,7 +9,7 @@ import argparse
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from neuron_lmi.deploy.sagemaker import cli
+    from neuron_lmi.deploy.sagemaker import cli  # the actions' modules: loaded when deploy is asked for
 
     parser = subparsers.add_parser(
         "deploy",

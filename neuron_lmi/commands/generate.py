@@ -83,7 +83,7 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> ResolvedConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuron_lmi.backends.cpu.llm import LLM
+    from neuron_lmi.backends.cpu.llm import LLM  # torch: when the command runs (as in resolve)
 
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,

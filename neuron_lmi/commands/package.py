@@ -98,6 +98,7 @@ def resolve_model(model: str) -> Path:
         return local
     if model.startswith(("/", ".", "~")):
         raise FileNotFoundError(f"--model {model}: no such file or directory")
+    # Only for a model that is not a local path (the backends bring torch; fetching, the Hub client).
     from neuron_lmi.backends.common import model_cache_dir
     from neuron_lmi.model_source import fetch_model
 

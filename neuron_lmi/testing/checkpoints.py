@@ -95,7 +95,7 @@ def _smollm2_tokenizer() -> Any:
     # Converting the GGUF vocabulary takes seconds; do it once per process.
     from transformers import AutoTokenizer
 
-    from neuron_lmi.models.builtin import smollm2_gguf_path
+    from neuron_lmi.models.builtin import smollm2_gguf_path  # with transformers: only when converting
 
     gguf = smollm2_gguf_path()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, legacy=False)

@@ -198,7 +198,7 @@ def cmd_update(args: argparse.Namespace) -> int:
     """A new model version when the image, data or environment changed; a new endpoint config and
     UpdateEndpoint for a plain endpoint; UpdateInferenceComponent for a component (and UpdateEndpoint
     only when its instance settings changed)."""
-    from neuron_lmi.deploy.sagemaker import lifecycle
+    from neuron_lmi.deploy.sagemaker import lifecycle  # imports botocore: only when an action runs
 
     sm = client(args, "sagemaker")
     current = lifecycle.describe_deployment(sm, args.name)
@@ -230,7 +230,7 @@ def cmd_update(args: argparse.Namespace) -> int:
 
 def _deregister_variant(args: argparse.Namespace, endpoint: str, variant: str) -> None:
     """SageMaker refuses to change the instance type of a variant that is a scaling target."""
-    from neuron_lmi.deploy.sagemaker.lifecycle import tolerate_missing
+    from neuron_lmi.deploy.sagemaker.lifecycle import tolerate_missing  # botocore, as above
 
     resource_id, dimension = variant_resource(endpoint, variant)
     autoscaling = client(args, "application-autoscaling")
@@ -246,7 +246,7 @@ def _deregister_variant(args: argparse.Namespace, endpoint: str, variant: str) -
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    from neuron_lmi.deploy.sagemaker.lifecycle import delete_deployment
+    from neuron_lmi.deploy.sagemaker.lifecycle import delete_deployment  # botocore, as above
 
     sm, autoscaling, cloudwatch = (
         client(args, s) for s in ("sagemaker", "application-autoscaling", "cloudwatch")
