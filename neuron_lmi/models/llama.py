@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import ClassVar
 
@@ -414,12 +414,15 @@ class LlamaForCausalLM(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         attn_len: int,
+        last: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Append right-padded chunks ``tokens`` [n, T] to ``rows``, which hold ``starts`` positions.
 
         Row i's chunk fills positions ``starts[i] .. starts[i] + lengths[i] - 1``, attending causally
         over its cached prefix and itself (the sliding window respected); returns the logits of each
-        chunk's last token [n, vocab]. ``attn_len`` >= every ``starts[i] + lengths[i]``.
+        chunk's last token [n, vocab], or with ``last`` those of each chunk's last ``last[i]`` tokens
+        in order, ``[sum(last), vocab]`` (a speculative decode's verification).
+        ``attn_len`` >= every ``starts[i] + lengths[i]``.
         """
         n, t = tokens.shape
         lengths_t = torch.tensor(lengths, dtype=torch.long)
@@ -436,4 +439,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
             x = layer.extend_step(x, k_cache[i], v_cache[i], steps[self.layer_kind[i]])
-        return self.logits(x[torch.arange(n), lengths_t - 1])
+        if last is None:
+            return self.logits(x[torch.arange(n), lengths_t - 1])
+        # Only the wanted positions go through the final norm and the vocabulary projection.
+        counts = torch.tensor(list(last), dtype=torch.long)
+        lines = torch.arange(n).repeat_interleave(counts)
+        offsets = torch.arange(len(lines)) - (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)
+        return self.logits(x[lines, (lengths_t - counts).repeat_interleave(counts) + offsets])

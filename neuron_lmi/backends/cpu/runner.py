@@ -67,8 +67,11 @@ class CpuRunner(ForwardByKind):
         # Fixed here: mixed steps only with the compiled step graph, which runs decodes and prompt
         # chunks in one forward (elsewhere ``extend`` sends the decodes to ``decode``).
         mixed = self.supports_extend and compiled_decode is not None
+        # A verification line runs as one eager extend piece (``verify``), so it is at most the
+        # largest context bucket long.
+        verify = self.context_buckets[-1] if self.supports_extend else 0
         self.capabilities = RunnerCapabilities(
-            extend=self.supports_extend, mixed_steps=mixed, prompt_logits=True
+            extend=self.supports_extend, mixed_steps=mixed, prompt_logits=True, max_verify_tokens=verify
         )
 
     @property
@@ -140,21 +143,7 @@ class CpuRunner(ForwardByKind):
     def extend(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append ``chunks[i]`` to ``rows[i]`` after the positions it holds; returns the logits of
         each chunk's last token. A chunk longer than the largest context bucket runs in pieces."""
-        if not self.supports_extend:
-            raise NotImplementedError(f"{type(self.model).__name__} has no extend step")
-        if len(rows) != len(chunks):
-            raise ValueError("extend: rows and chunks differ in length")
-        if len(set(rows)) != len(rows):
-            raise ValueError(f"extend: rows {list(rows)} repeat a row")
-        starts = self.rows.lengths(rows)
-        for row, chunk, start in zip(rows, chunks, starts, strict=True):
-            if not chunk:
-                raise ValueError(f"extend: chunk for row {row} is empty")
-            if start + len(chunk) > self.n_positions:
-                raise ValueError(
-                    f"extend: row {row} holds {start} positions, {len(chunk)} more "
-                    f"exceed n_positions={self.n_positions}"
-                )
+        starts = self._check_lines("extend", rows, chunks)
         step = self.compiled_decode
         if step is not None and step.covers_chunks(starts, [len(c) for c in chunks]):
             logits = step(rows, chunks, starts, self.cache.k, self.cache.v)
@@ -183,18 +172,72 @@ class CpuRunner(ForwardByKind):
             done += piece
         return logits
 
-    def _extend_bucket(self, rows: list[int], pieces: list[list[int]], bucket: int) -> torch.Tensor:
+    def _check_lines(self, what: str, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> list[int]:
+        """The rows' lengths (where each chunk goes), once the lines are checked to fit."""
+        if not self.supports_extend:
+            raise NotImplementedError(f"{type(self.model).__name__} has no extend step")
+        if len(rows) != len(chunks):
+            raise ValueError(f"{what}: rows and chunks differ in length")
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"{what}: rows {list(rows)} repeat a row")
+        starts = self.rows.lengths(rows)
+        for row, chunk, start in zip(rows, chunks, starts, strict=True):
+            if not chunk:
+                raise ValueError(f"{what}: chunk for row {row} is empty")
+            if start + len(chunk) > self.n_positions:
+                raise ValueError(
+                    f"{what}: row {row} holds {start} positions, {len(chunk)} more "
+                    f"exceed n_positions={self.n_positions}"
+                )
+        return starts
+
+    def verify(
+        self, rows: Sequence[int], chunks: Sequence[Sequence[int]], logit_counts: Sequence[int]
+    ) -> torch.Tensor:
+        """``extend``, returning the logits of each line's last ``logit_counts[i]`` positions in line
+        order, ``[sum(logit_counts), vocab]`` (speculative decodes are verified from them).
+
+        Lines that want one go through ``extend`` as usual (compiled graphs included); the others
+        run the eager model, one piece each: the compiled graphs return last-token logits only."""
+        self._check_lines("verify", rows, chunks)
+        if len(logit_counts) != len(rows):
+            raise ValueError("verify: rows and logit_counts differ in length")
+        piece = self.capabilities.max_verify_tokens
+        offsets = [sum(logit_counts[:i]) for i in range(len(rows))]
+        logits = torch.empty(sum(logit_counts), self.vocab_size)
+        one = [i for i, n in enumerate(logit_counts) if n == 1]
+        if one:
+            logits[[offsets[i] for i in one]] = self.extend([rows[i] for i in one], [chunks[i] for i in one])
+        by_bucket: dict[int, list[int]] = defaultdict(list)
+        for i, n in enumerate(logit_counts):
+            if n > 1:
+                if len(chunks[i]) > piece:
+                    raise ValueError(f"verify: a {len(chunks[i])}-token line exceeds {piece}")
+                by_bucket[pick_bucket(self.chunk_buckets, len(chunks[i]))].append(i)
+        for bucket, members in by_bucket.items():
+            counts = [logit_counts[i] for i in members]
+            pieces = [list(chunks[i]) for i in members]
+            out = self._extend_bucket([rows[i] for i in members], pieces, bucket, counts)
+            at = 0
+            for i, n in zip(members, counts, strict=True):
+                logits[offsets[i] : offsets[i] + n] = out[at : at + n]
+                at += n
+        return logits
+
+    def _extend_bucket(
+        self, rows: list[int], pieces: list[list[int]], bucket: int, last: list[int] | None = None
+    ) -> torch.Tensor:
         starts = self.rows.lengths(rows)
         lengths = [len(p) for p in pieces]
         compiled = self.compiled_extend
-        if compiled is not None and compiled.covers(starts, lengths):
+        if last is None and compiled is not None and compiled.covers(starts, lengths):
             out = compiled(rows, pieces, starts, self.cache.k, self.cache.v)
         else:
             tokens = right_padded(pieces, bucket)
             ends = max(s + n for s, n in zip(starts, lengths, strict=True))
             out = self.model.extend(
                 tokens, torch.tensor(rows, dtype=torch.long), torch.tensor(starts, dtype=torch.long),
-                lengths, self.cache.k, self.cache.v, pick_bucket(self.token_buckets, ends),
+                lengths, self.cache.k, self.cache.v, pick_bucket(self.token_buckets, ends), last,
             )  # fmt: skip
         for row, start, n in zip(rows, starts, lengths, strict=True):
             self.rows.set_length(row, start + n)
