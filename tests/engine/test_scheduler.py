@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 
 from cache_api import RowTable
+from neuron_lmi.config.speculative import SpeculativeConfig
 from neuron_lmi.engine.prefix import PrefixHit, PrefixIndex, common_prefix
 from neuron_lmi.engine.request import Request, Status
 from neuron_lmi.engine.scheduler import ChunkedPrefill, Scheduler, WholePrompts
+from neuron_lmi.engine.speculation import Speculator
 from neuron_lmi.engine.types import SamplingParams
 from neuron_lmi.runners.base import BatchKind, RunnerCapabilities
 
@@ -206,6 +208,46 @@ def test_a_runner_without_mixed_steps_gets_one_batch_per_kind(decode_first: bool
     more, _ = by_kind[BatchKind.EXTEND]
     assert more.starts == (47,) and [len(c) for c in more.chunks] == [13] and more.samples == (True,)
     assert by_kind[BatchKind.DECODE][0].decodes == 1 and by_kind[BatchKind.DECODE][0].starts == (10,)
+
+
+def repeating_req(name: str) -> Request:
+    """A request whose prompt repeats, so the n-gram lookup drafts from the first decode."""
+    return Request(name, [1, 2, 3, 4] * 3, SamplingParams(max_new_tokens=50), None)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_speculative_decodes_verify_their_drafts_in_an_extend_batch(mixed: bool):
+    capabilities = RunnerCapabilities(extend=True, mixed_steps=mixed, max_verify_tokens=16)
+    rows = RowTable(4, 256)
+    speculator = Speculator(SpeculativeConfig("ngram", 3, 1, 2), 16, 256)
+    sched = Scheduler(4096, ChunkedPrefill(64, 8), None, rows, capabilities, speculator)
+    drafting, plain = repeating_req("drafting"), req("plain", 6)  # 0..5: nothing recurs
+    place_decoding(sched, rows, drafting, n_out=1)  # ids ... 3, 4, 7: [7] never occurred
+    drafting.output_ids[-1] = 1  # ids ... 3, 4, 1: after the earliest [4, 1] come 2, 3, 4
+    place_decoding(sched, rows, plain, n_out=1)
+    plan = sched.next_step()
+    assert plan.decision.drafts == {drafting: (2, 3, 4)}
+    verifying = [(b, r) for b, r in plan.batches if b.logit_counts]
+    ((batch, requests),) = verifying
+    assert batch.kind is BatchKind.EXTEND
+    line = requests.index(drafting)
+    assert batch.chunks[line] == (1, 2, 3, 4) and batch.starts[line] == 12 and batch.logit_counts[line] == 4
+    if mixed:  # one batch: the plain decode wants its last position only
+        assert requests == [drafting, plain] and batch.logit_counts == (4, 1) and batch.decodes == 2
+    else:  # the plain decode keeps its DECODE batch
+        assert [b.kind for b, _ in plan.batches] == [BatchKind.DECODE, BatchKind.EXTEND]
+        assert requests == [drafting] and batch.decodes == 1
+
+
+def test_a_draft_never_runs_past_the_rows_positions_or_the_requests_tokens():
+    rows = RowTable(2, 16)
+    capabilities = RunnerCapabilities(extend=True, max_verify_tokens=16)
+    speculator = Speculator(SpeculativeConfig("ngram", 8, 1, 2), 16, 16)
+    sched = Scheduler(4096, ChunkedPrefill(64, 8), None, rows, capabilities, speculator)
+    near_end = repeating_req("near_end")  # 12 prompt ids + 1 output in a 16-position row
+    place_decoding(sched, rows, near_end, n_out=1)
+    near_end.output_ids[-1] = 1
+    assert sched.next_step().decision.drafts == {near_end: (2, 3, 4)}  # 13 ids + 3 = 16 positions
 
 
 def test_placement_claims_a_retained_prefix_and_names_the_copy_for_a_live_one():
