@@ -37,9 +37,9 @@ def timed(fn: Callable[[], object], reps: int) -> float:
 
 
 def op_against_sdpa(reps: int) -> None:
-    from neuron_lmi.models import decode_attention as da
+    from neuron_lmi.models import ops
 
-    print(f"decode_attention kernel: {da.kernel()}")
+    print(f"decode_attention kernel: {ops.kernels()}")
     for dtype in (torch.bfloat16, torch.float32):
         k = torch.randn(4, 3, 2048, 64).to(dtype)  # rows, KV heads, positions, head dim
         v = torch.randn(4, 3, 2048, 64).to(dtype)

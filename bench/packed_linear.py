@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from neuron_lmi.backends.cpu.compiled_decode import matmul_weights
 from neuron_lmi.backends.cpu.llm import LLM
-from neuron_lmi.models import packed_linear
+from neuron_lmi.models import ops, packed_linear
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -187,7 +187,7 @@ def main() -> int:
     args.rows = [int(r) for r in args.rows.split(",")]
     if max(args.rows) < 2 and args.graphs:
         p.error("--graphs: the compiled decode needs a cache of at least 2 rows; give --rows up to 2 or more")
-    packed_linear.kernel()
+    ops.kernels()
     model = fp32_engine(args.model, max(args.rows), args.n_positions).core.runner.model
     weights = [w for w in matmul_weights(model) if isinstance(w, torch.Tensor)]
     result: dict[str, object] = {

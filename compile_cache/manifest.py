@@ -32,7 +32,7 @@ TOOL_NAME = "neuron-lmi"
 
 def tool_version() -> str:
     try:
-        from neuron_lmi import __version__
+        from neuron_lmi import __version__  # the product above this library, where installed
     except ImportError:  # compile_cache used without the neuron_lmi package
         return "unknown"
     return __version__

@@ -20,13 +20,12 @@ import json
 import logging
 import os
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuron_lmi.config.dtypes import ALIASES, DTYPES, canonical_dtype
 from neuron_lmi.config.options import (
-    VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
     VLLM_DEFAULT_MAX_ROLLING_BATCH_SIZE,
     ConfigError,
 )
@@ -52,25 +51,27 @@ def vllm_dtype(name: str) -> str | None:
 class VllmEngineConfig:
     """What the vLLM backend needs. Invariant: every field is validated in ``__post_init__``.
 
+    No field has a default of its own: :func:`vllm_config_from_resolved` builds it from the resolved
+    configuration, where LMI-on-vLLM's defaults live (one configuration, issue 37).
+
     ``n_positions`` None lets vLLM use the model's own maximum; ``tensor_parallel_degree`` may be
     "max" (every visible GPU, LMI's default). ``max_queue_size`` bounds requests waiting beyond the
     rolling batch. ``extra_engine_args`` are ``AsyncEngineArgs`` fields, already typed.
     """
 
     model: str
-    served_model_name: str | None = None
-    tensor_parallel_degree: int | str = "max"
-    max_rolling_batch_size: int = VLLM_DEFAULT_MAX_ROLLING_BATCH_SIZE
-    n_positions: int | None = None
-    dtype: str = "auto"
-    enforce_eager: bool = False
-    gpu_memory_utilization: float = VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
-    chat_template: str | None = None
-    trust_remote_code: bool = False
-    seed: int = 0
-    max_queue_size: int = 256
-    kv_cache_memory_bytes: int | None = None
-    extra_engine_args: Mapping[str, Any] = field(default_factory=dict)
+    served_model_name: str | None
+    tensor_parallel_degree: int | str
+    max_rolling_batch_size: int
+    n_positions: int | None
+    dtype: str
+    enforce_eager: bool
+    gpu_memory_utilization: float
+    chat_template: str | None
+    trust_remote_code: bool
+    seed: int
+    max_queue_size: int
+    extra_engine_args: Mapping[str, Any]
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -113,8 +114,6 @@ def engine_args_kwargs(
         # Our own stat logger still receives scheduler stats; this only drops vLLM's 5 s log line.
         "disable_log_stats": True,
     }
-    if config.kv_cache_memory_bytes is not None:
-        kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
     kwargs.update(config.extra_engine_args)
     return {k: v for k, v in kwargs.items() if v is not None}
 
@@ -173,9 +172,9 @@ class EngineArgs:
     typed; ``sources``, each engine argument's key as written and where it came from; ``unknown``,
     every other key as written -> its source."""
 
-    engine_args: dict[str, Any] = field(default_factory=dict)
-    sources: dict[str, str] = field(default_factory=dict)
-    unknown: dict[str, str] = field(default_factory=dict)
+    engine_args: dict[str, Any]
+    sources: dict[str, str]
+    unknown: dict[str, str]
 
 
 def _type_name(annotation: Any) -> str:
@@ -214,7 +213,7 @@ def vllm_engine_options(origins: Mapping[str, Origin], fields: Mapping[str, Any]
     default) and unknown keys. A value of the wrong type, or an argument this backend sets itself,
     raises ``ConfigError`` naming the key, the value and its source."""
     fields = engine_arg_types() if fields is None else fields
-    out = EngineArgs()
+    out = EngineArgs(engine_args={}, sources={}, unknown={})
     # Aliases first, so that vLLM's own name wins when both are given.
     for name, origin in sorted(origins.items(), key=lambda kv: kv[0] not in ENGINE_ARG_ALIASES):
         target = ENGINE_ARG_ALIASES.get(name, name)

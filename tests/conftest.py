@@ -34,6 +34,16 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama")
 
 
+@pytest.fixture()
+def tiny_llama_properties(tiny_llama_dir: Path, tmp_path: Path) -> Path:
+    """A serving.properties for the tiny Llama: 3 rows, fp32, eager (``LLM`` and ``generate`` read it
+    as ``serve`` does)."""
+    path = tmp_path / "serving.properties"
+    keys = [f"option.model_id={tiny_llama_dir}", "option.max_rolling_batch_size=3", "option.dtype=fp32"]
+    path.write_text("\n".join([*keys, "option.enforce_eager=true", ""]))
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Mistral with a 16-token sliding window, saved as sharded safetensors with an index."""

@@ -19,15 +19,10 @@ from neuron_lmi.config.hf_config import max_position_embeddings, read_hf_config
 from neuron_lmi.config.options import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MODEL
 from neuron_lmi.engine.async_engine import AsyncEngine
 from neuron_lmi.engine.core import EngineCore
-from neuron_lmi.model_source import fetch_model
+from neuron_lmi.model_source import fetch_model, model_cache_dir
 
 if TYPE_CHECKING:
     from neuron_lmi.config import ResolvedConfig
-
-
-def model_cache_dir(env: Mapping[str, str]) -> Path:
-    """Where fetched models go: ``NEURON_LMI_MODEL_CACHE``, else ``~/.cache/neuron-lmi/models``."""
-    return Path(env.get("NEURON_LMI_MODEL_CACHE") or Path.home() / ".cache" / "neuron-lmi" / "models")
 
 
 def model_name(resolved: ResolvedConfig) -> str:
@@ -50,7 +45,10 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
 
 def with_model_defaults(resolved: ResolvedConfig, path: str | Path) -> ResolvedConfig:
     """``n_positions`` from LMI's smart default, ``min(max_position_embeddings, 4096)``, when no
-    source set it (a fetched model is read only now)."""
+    source set it (a fetched model is read only now). Where a source set it, ``config.json`` is not
+    read: a backend's ``engine`` resolves once and its ``plan`` calls this again on the result."""
+    if resolved.config.batching.n_positions is not None:
+        return resolved
     return apply_model_defaults(resolved, max_position_embeddings(read_config_json(path)))
 
 

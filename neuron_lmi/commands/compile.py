@@ -44,6 +44,7 @@ from neuron_lmi.commands.nxdi_target import nxdi_version
 from neuron_lmi.config import ResolvedConfig, load_config
 from neuron_lmi.config.options import DEFAULT_MODEL, NEURON_PLATFORMS
 from neuron_lmi.models.loader import resolve_model_path
+from neuron_lmi.runners.base import BatchKind, StepBatch
 
 CLI_FIELDS = (
     "model_id",
@@ -160,11 +161,14 @@ def _tp_degree(name: str, resolved: ResolvedConfig) -> int:
 
 
 def _prove_one_token(runner: Any, token: int) -> None:
-    """One greedy token from a one-token prompt, through prefill and decode: the entries run."""
+    """One greedy token from a one-token prompt, then its decode, in the batches the scheduler would
+    send (a prompt in an EXTEND batch where the runner takes new prompts so): the entries run."""
     row = runner.rows.allocate()
+    kind = BatchKind.EXTEND if runner.capabilities.prefill_as_extend else BatchKind.PREFILL
     try:
-        first = int(runner.prefill([row], [[token]]).argmax(-1)[0])
-        runner.decode([row], [first])
+        logits = runner.forward(StepBatch(kind, (row,), (0,), ((token,),), (True,)))
+        first = int(logits.argmax(-1)[0])
+        runner.forward(StepBatch(BatchKind.DECODE, (row,), (1,), ((first,),), (True,), decodes=1))
     finally:
         runner.rows.remove(row)
 

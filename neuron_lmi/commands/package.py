@@ -25,6 +25,9 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from neuron_lmi.config import lookup, read_properties, write_properties
+from neuron_lmi.config.sources import format_properties, holds_weights, write_text_atomic
+
 logger = logging.getLogger(__name__)
 
 PROPERTIES_NAME = "serving.properties"
@@ -104,8 +107,6 @@ def resolve_model(model: str) -> Path:
 def collect_properties(args: argparse.Namespace, model: Path) -> tuple[dict[str, str], dict[str, str]]:
     """The serving.properties entries to write, before validation: (known keys by their LMI names,
     unknown keys as written). Unknown keys are logged as ``serve`` logs them."""
-    from neuron_lmi.config import lookup, read_properties
-
     if args.properties is not None:
         raw = read_properties(args.properties)
     elif args.option:
@@ -138,8 +139,6 @@ def collect_properties(args: argparse.Namespace, model: Path) -> tuple[dict[str,
 
 def plan_files(model: Path, compiled: Path | None) -> list[tuple[Path, str]]:
     """(source, archive name) for every file to ship; raises on a missing input or a name clash."""
-    from neuron_lmi.config.sources import holds_weights
-
     if model.is_file():
         if model.suffix != ".gguf":
             raise ValueError(f"--model {model}: expected a directory or a .gguf file")
@@ -186,9 +185,6 @@ def write_directory(out: Path, files: list[tuple[Path, str]], properties: Path) 
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuron_lmi.config import write_properties
-    from neuron_lmi.config.sources import format_properties, write_text_atomic
-
     model = resolve_model(args.model)
     if model.is_dir() and args.out.resolve().is_relative_to(model.resolve()):
         raise ValueError(f"--out {args.out}: must be outside --model {args.model}")

@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from neuron_lmi.backends.nxdi.backend import nxdi_target
+from neuron_lmi.backends.nxdi.support import check_release, library_release
 from neuron_lmi.commands.nxdi_target import nxdi_version
 from neuron_lmi.config.options import NEURON_PLATFORMS
 from neuron_lmi.parallel.catalog import GIB, INSTANCES, PRESETS, ModelSpec, get_instance, load_model_spec
@@ -117,8 +118,6 @@ def run(args: argparse.Namespace) -> int:
 def _nxdi_release(args: argparse.Namespace, model: ModelSpec) -> dict[str, Any] | None:
     """With ``--platform`` or ``--nxdi-version``: the platform and the NxD Inference release, each with
     where it came from; refused (``UnsupportedReleaseError``) where the SDK matrix rules it out."""
-    from neuron_lmi.backends.nxdi.support import check_release, library_release
-
     if not (args.platform or args.nxdi_version):
         return None
     platform, version, source = nxdi_target(args.platform, "--platform", args.nxdi_version, os.environ)

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from neuron_lmi.config import cli_overrides, format_config, load_config, sagemaker_model_dir, sagemaker_root
 from neuron_lmi.config.options import BACKEND_REQUESTS
 
 if TYPE_CHECKING:
@@ -37,12 +38,13 @@ EXIT_ENGINE_DIED = 3
 EXIT_STARTUP_FAILED = 1
 LOOPBACK = "127.0.0.1"
 ALL_INTERFACES = "0.0.0.0"
-CPU_DTYPES = ("fp32", "bf16")
 SAGEMAKER_PORT_VAR = "SAGEMAKER_BIND_TO_PORT"
 # SageMaker sends SIGKILL 30 s after SIGTERM. The stop is: HTTP drain (uvicorn's graceful timeout),
 # then the engine's stop (its own grace, then up to 5 s joining its thread): 20 + 3 + 5 < 30.
 SAGEMAKER_HTTP_DRAIN_S = 20.0
 SAGEMAKER_ENGINE_STOP_S = 3.0
+# Backends that would ignore option.enable_lora: refused at start rather than serving without it.
+LORA_REFUSED = frozenset({"neuron-nxdi", "neuron-tnx"})
 
 
 def add_parser(subparsers: Any) -> None:
@@ -80,6 +82,18 @@ def add_parser(subparsers: Any) -> None:
         choices=("deepseek_r1", "qwen3"),
         help="split the model's <think> block off into message.reasoning (vLLM's parser names)",
     )
+    p.add_argument(
+        "--enable-lora", action="store_true", default=None, help="option.enable_lora: serve LoRA adapters"
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="option.lora_modules: adapters served from the start (a directory, s3://... or a Hub id)",
+    )
+    p.add_argument("--max-loras", type=int, help="option.max_loras: adapters resident at once (default 4)")
+    p.add_argument("--max-lora-rank", type=int, help="option.max_lora_rank: the largest rank (default 16)")
+    p.add_argument("--max-cpu-loras", type=int, help="option.max_cpu_loras: adapters kept in host memory")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     p.set_defaults(func=run)
 
@@ -95,8 +109,6 @@ def sagemaker_mode(resolved: ResolvedConfig, env: Mapping[str, str]) -> bool:
     root (``/opt/ml``) present, or serving.properties read from its model folder. ``SM_MODEL_DIR``
     is no sign: SageMaker hosting does not set it.
     """
-    from neuron_lmi.config import sagemaker_model_dir, sagemaker_root
-
     if not _is_default(resolved, "sagemaker"):
         return resolved.config.server.sagemaker
     if env.get(SAGEMAKER_PORT_VAR, "").strip() or sagemaker_root(env).is_dir():
@@ -137,7 +149,7 @@ def stop_timeouts(resolved: ResolvedConfig, sagemaker: bool) -> tuple[float, flo
 
 
 def _requested_backend(resolved: ResolvedConfig) -> str:
-    from neuron_lmi.backends.dispatch import requested_from_lmi
+    from neuron_lmi.backends.dispatch import requested_from_lmi  # the backends bring torch: when serving
 
     cfg = resolved.config
     rolling = cfg.batching.rolling_batch
@@ -153,6 +165,7 @@ def build_engine(resolved: ResolvedConfig, env: Mapping[str, str] | None = None)
     The start-up log names the backend, the library and its version, why it was chosen, and the
     tensor-parallel degree (``max`` resolved to the visible NeuronCores or GPUs).
     """
+    # The backends bring torch: imported when an engine is built, not by ``neuron-lmi --help``.
     from neuron_lmi.backends import registry
     from neuron_lmi.backends.dispatch import choose_backend, probe_host, resolve_tp_degree
 
@@ -178,6 +191,10 @@ def build_engine(resolved: ResolvedConfig, env: Mapping[str, str] | None = None)
         nxdi_on_cpu=on_cpu,
     )
     log.info("%s; tensor parallel degree %d (%s)", choice.summary(), tp, how)
+    if cfg.lora.enable_lora and choice.name in LORA_REFUSED:  # vLLM reads the keys itself
+        raise ValueError(
+            f"option.enable_lora: the {choice.name} backend serves no LoRA adapters yet (cpu does)"
+        )
     builder = registry.get(choice.name)
     return builder(registry.BuildRequest(resolved, env, choice.name, tp, choice))
 
@@ -208,8 +225,7 @@ def _make_server(app: Any, host: str, port: int, grace_s: float) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuron_lmi.config import cli_overrides, format_config, load_config
-    from neuron_lmi.server import AppOptions, create_app
+    from neuron_lmi.server import AppOptions, create_app  # FastAPI and the engine: only when serving
 
     env = os.environ
     resolved = load_config(cli_overrides(args), args.properties, env)

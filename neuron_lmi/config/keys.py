@@ -129,6 +129,12 @@ KEYS: tuple[KeySpec, ...] = (
     _opt("vllm", "chat_template"),
     _opt("vllm", "seed"),
     _opt("vllm", "served_model_name"),
+    # LoRA adapters (LMI's and vLLM's names; vLLM reads them itself too: VLLM_RELEASED_FIELDS)
+    _opt("lora", "enable_lora"),
+    _opt("lora", "max_loras"),
+    _opt("lora", "max_lora_rank"),
+    _opt("lora", "max_cpu_loras"),
+    _opt("lora", "lora_modules"),
 )
 
 BY_FIELD: dict[str, KeySpec] = {spec.field: spec for spec in KEYS}

@@ -181,6 +181,9 @@ def _check_combinations(config: ServingConfig, origins: Mapping[str, Origin]) ->
             f"with rolling batch the compiled batch is max_rolling_batch_size="
             f"{batching.max_rolling_batch_size}; leave batch_size unset or make them equal",
         )
+    lora = config.lora
+    if lora.max_cpu_loras is not None and lora.max_cpu_loras < lora.max_loras:
+        fail("max_cpu_loras", lora.max_cpu_loras, f"must be at least max_loras={lora.max_loras}")
 
 
 BY_FIELD_LMI = {spec.field: spec.lmi for spec in KEYS}
@@ -302,8 +305,8 @@ def _display(value: Any) -> str:
         return MASK
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, tuple):
-        return ",".join(map(str, value))
+    if isinstance(value, tuple):  # lora_modules' pairs as name=path, which reads back the same
+        return ",".join("=".join(v) if isinstance(v, tuple) else str(v) for v in value)
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return str(value)

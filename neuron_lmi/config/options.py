@@ -9,6 +9,8 @@ what is out of range. The loader maps pydantic's errors back to the LMI key, val
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
@@ -382,6 +384,48 @@ class VllmOptions(_Section):
     served_model_name: str | None = None
 
 
+class LoraOptions(_Section):
+    """LoRA adapters served beside the base model (LMI's and vLLM's names; the CPU engine).
+
+    ``lora_modules``: vLLM's ``--lora-modules`` as ``(name, path)`` pairs, given as ``name=path``
+    words (spaces or commas between them) or a JSON list of ``{"name", "path"}`` objects; adapters in
+    the model directory's ``adapters/`` folder are served too (LMI's layout). ``max_cpu_loras`` None:
+    ``max_loras``; ``max_cpu_loras >= max_loras`` (the loader checks it, naming the key to change).
+    """
+
+    enable_lora: bool = False
+    max_loras: int = Field(default=4, ge=1, le=256)
+    max_lora_rank: int = Field(default=16, ge=1, le=1024)
+    max_cpu_loras: int | None = Field(default=None, ge=1)
+    lora_modules: tuple[tuple[str, str], ...] = ()
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _pairs(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            value = json.loads(text) if text.startswith("[") else [w for w in re.split(r"[\s,]+", text) if w]
+        if isinstance(value, list | tuple):
+            return [_lora_module(item) for item in value]
+        return value
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+def _lora_module(item: Any) -> Any:
+    """One ``--lora-modules`` entry as (name, path): ``name=path`` or ``{"name", "path"}``."""
+    if isinstance(item, dict):
+        return (item.get("name"), item.get("path"))
+    if isinstance(item, str):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"lora_modules entry {item!r} is not name=path")
+        return (name.strip(), path.strip())
+    return item
+
+
 class ServingConfig(BaseModel):
     """Everything ``neuron-lmi serve`` needs, split by concern. Frozen; build it with ``load_config``."""
 
@@ -394,6 +438,7 @@ class ServingConfig(BaseModel):
     backend: BackendOptions = BackendOptions()
     server: ServerOptions = ServerOptions()
     vllm: VllmOptions = VllmOptions()
+    lora: LoraOptions = LoraOptions()
 
 
 SECTIONS: dict[str, type[_Section]] = {
@@ -404,4 +449,5 @@ SECTIONS: dict[str, type[_Section]] = {
     "backend": BackendOptions,
     "server": ServerOptions,
     "vllm": VllmOptions,
+    "lora": LoraOptions,
 }

@@ -30,6 +30,7 @@ from neuron_lmi.engine.types import (
     EngineOverloadedError,
     InvalidRequestError,
     SamplingParams,
+    UnknownAdapterError,
 )
 from neuron_lmi.runners.base import RunnerCapabilities
 
@@ -81,6 +82,9 @@ class Admission:
     def __init__(self, encode: Callable[[str], Sequence[int]], limits: AdmissionLimits) -> None:
         self.encode = encode
         self.limits = limits
+        # The LoRA adapters served now, by name: a live view the front keeps current as adapters are
+        # loaded and unloaded (an adapter being unloaded has already left it).
+        self.adapters: Container[str] = frozenset()
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -136,6 +140,8 @@ class Admission:
         bad = [t for t, _ in params.logit_bias if t >= limits.vocab_size]
         if bad:
             raise InvalidRequestError(f"logit_bias token id {bad[0]} is outside the vocabulary", "logit_bias")
+        if params.adapter is not None:
+            self._check_adapter(params)
         if params.prompt_logprobs is not None and not limits.capabilities.prompt_logits:
             message = f"{limits.backend_label} cannot score prompts (prompt log-probabilities)"
             raise InvalidRequestError(message, "prompt_logprobs")
@@ -147,6 +153,19 @@ class Admission:
                 "without returning logits (see docs/configuration.md, on-device sampling)"
             )
             raise InvalidRequestError(message, field)
+
+    def _check_adapter(self, params: SamplingParams) -> None:
+        label = self.limits.backend_label
+        if not self.limits.capabilities.lora:
+            message = f"{label} serves no LoRA adapters (option.enable_lora), asked for {params.adapter!r}"
+            raise InvalidRequestError(message, "adapter")
+        if params.adapter not in self.adapters:
+            raise UnknownAdapterError(params.adapter)  # type: ignore[arg-type]
+        if params.prompt_logprobs is not None:  # the prompt is scored by the base model only
+            raise InvalidRequestError(
+                f"prompt log-probabilities are not computed with an adapter ({params.adapter!r})",
+                "prompt_logprobs",
+            )
 
     def check_capacity(self, capacity: Capacity) -> None:
         queue = self.limits.max_queue_size

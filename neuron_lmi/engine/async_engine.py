@@ -64,6 +64,7 @@ class AsyncEngine(EngineFront):
         self.max_batch_size = core.runner.rows.n_rows
         self.max_queue_size = max_queue_size
         self.admission = Admission(core.tokenizer.encode, core.admission_limits(max_queue_size))
+        self.admission.adapters = core.admission.adapters  # the start-up adapters (no loading at run time)
         self._clock = StepClock(core.forward_timer, core.runner.rows.n_rows)
         self._inbox: queue.Queue[Request] = queue.Queue()
         self._aborts: queue.Queue[str] = queue.Queue()

@@ -21,6 +21,7 @@ from neuron_lmi.config.speculative import SpeculativeConfig
 from neuron_lmi.engine.admission import Admission, AdmissionLimits, ValidRequest
 from neuron_lmi.engine.device_sampling import host_field, line_sampling
 from neuron_lmi.engine.grammar import GrammarCompiler
+from neuron_lmi.engine.lora import AdapterTable
 from neuron_lmi.engine.prefix import PrefixIndex
 from neuron_lmi.engine.request import EventSink, Request, Status
 from neuron_lmi.engine.sampling import SampleOutput, prompt_logprobs, sample
@@ -32,17 +33,18 @@ from neuron_lmi.engine.scheduler import (
     Scheduler,
     WholePrompts,
 )
-from neuron_lmi.engine.speculation import Speculator, check_speculation, verify
+from neuron_lmi.engine.speculation import Speculator, check_speculation, verify, verify_tokens
 from neuron_lmi.engine.step_clock import ForwardTimer
 from neuron_lmi.engine.types import (
     EngineStats,
     FinishReason,
+    InvalidRequestError,
     PromptToken,
     SamplingParams,
     TokenEvent,
     TopToken,
 )
-from neuron_lmi.models import native
+from neuron_lmi.models import ops
 from neuron_lmi.runners.base import GREEDY_LINE, BatchKind, ModelRunner, StepBatch, capabilities_of
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,10 @@ class EngineCore:
     (one mixed batch, or one per kind). With ``speculative`` (``option.speculative_config``),
     decoding rows verify n-gram drafts (``engine.speculation``); a runner that cannot verify
     several tokens per row (``RunnerCapabilities.max_verify_tokens``) is refused here, at start-up.
+
+    ``adapters`` (with a runner whose ``capabilities.lora``): the LoRA adapters it serves. A request
+    holds its adapter from ``request_of`` until it finishes; the scheduler gives it a slot when it
+    gets a row, and the slot writes that takes are applied before the step's batches.
     """
 
     def __init__(
@@ -71,6 +77,7 @@ class EngineCore:
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         prefill: PrefillPolicy | None = None,
         prefix_reuse: bool = True,
+        adapters: AdapterTable | None = None,
         speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.runner = runner
@@ -82,11 +89,16 @@ class EngineCore:
         # For synchronous users (``make_request``); capacity is the fronts' to check (they own the
         # queues): no queue bound here.
         self.admission = Admission(tokenizer.encode, self.admission_limits(0))
+        if adapters is not None and not capabilities.lora:
+            raise ValueError(f"{type(runner).__name__} has no LoRA slots for the adapters it was given")
+        self.adapters = adapters
+        if adapters is not None:
+            self.admission.adapters = adapters.served
         self._stop_ids = sorted(self.eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, runner.vocab_size, self._stop_ids)
         # The sampler's draw is a native kernel: built (once per host) or loaded now, at start-up,
         # rather than on the first sampled request.
-        native.kernels()
+        ops.kernels()
         extend = capabilities.extend
         if prefill is None:
             step = min(DEFAULT_STEP_TOKENS, max_prefill_tokens)
@@ -100,9 +112,9 @@ class EngineCore:
         self.speculator: Speculator | None = None
         if speculative is not None:
             check_speculation(speculative, capabilities, type(runner).__name__)
-            self.speculator = Speculator(speculative, capabilities.max_verify_tokens, runner.n_positions)
+            self.speculator = Speculator(speculative, verify_tokens(capabilities), runner.n_positions)
         self.scheduler = Scheduler(
-            max_prefill_tokens, prefill, prefix, runner.rows, capabilities, self.speculator
+            max_prefill_tokens, prefill, prefix, runner.rows, capabilities, adapters, self.speculator
         )
         self.requests: dict[str, Request] = {}
         self.steps = 0
@@ -140,14 +152,38 @@ class EngineCore:
         if not params.greedy:
             seed = params.seed if params.seed is not None else random.getrandbits(63)
             generator = torch.Generator().manual_seed(seed)
+        grammar = self.grammars.state(params.grammar) if params.grammar is not None else None
+        adapter_id = None
+        if params.adapter is not None:  # unloaded since admission: refused here (404)
+            if self.adapters is None:
+                raise InvalidRequestError("this engine serves no LoRA adapters", "adapter")
+            adapter_id = self.adapters.hold(params.adapter)
         return Request(
             request_id=valid.request_id,
             prompt_ids=valid.prompt_ids,
             params=params,
             generator=generator,
             sink=sink,
-            grammar=self.grammars.state(params.grammar) if params.grammar is not None else None,
+            grammar=grammar,
+            adapter_id=adapter_id,
         )
+
+    # -- adapters -----------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str) -> None:
+        """Register a LoRA adapter (read and checked now; raises ``InvalidRequestError`` naming it)."""
+        if self.adapters is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (option.enable_lora)", "lora_name")
+        self.adapters.register(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget an adapter (``UnknownAdapterError`` if not served); its running requests finish."""
+        if self.adapters is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (option.enable_lora)", "lora_name")
+        self.adapters.unregister(name)
+
+    def adapter_names(self) -> dict[str, str]:
+        """Served adapters: name -> path."""
+        return self.adapters.names() if self.adapters is not None else {}
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -167,6 +203,9 @@ class EngineCore:
     def step(self) -> list[TokenEvent]:
         """Schedule (the scheduler places rows and cuts batches), run each batch, apply its tokens."""
         plan = self.scheduler.next_step()
+        if self.adapters is not None:  # adapters moving into slots no running line uses
+            for slot, weights in self.adapters.take_writes():
+                self.runner.set_adapter(slot, weights)
         events = [self._fail(request, exc, "placing") for request, exc in plan.failed]
         for request, hit in plan.copies:
             try:
@@ -352,6 +391,9 @@ class EngineCore:
         if request.status is Status.FINISHED:
             return
         self.scheduler.finish(request, keep_prefix=reason is not FinishReason.ERROR)
+        if request.adapter_id is not None and self.adapters is not None:
+            self.adapters.release(request.adapter_id)
+            request.adapter_id = None
         self.requests.pop(request.request_id, None)
         request.status = Status.FINISHED
         request.finish_reason = reason

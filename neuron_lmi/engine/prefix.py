@@ -7,9 +7,11 @@ Two kinds of source row::
     retained  a finished request's row, freed with ``RowTable.remove(row, keep)``: the new request
               claims the row itself with its first positions (``RowTable.allocate(row, keep)``)
 
-The index keeps only bookkeeping (token ids per retained row and the row's generation when it was
-freed); it never reads a tensor. A retained row whose generation moved on was allocated since and
-is forgotten, so a stale row is never matched.
+The index keeps only bookkeeping (token ids per retained row, the LoRA adapter that computed them
+and the row's generation when it was freed); it never reads a tensor. Rows are matched only within
+one adapter (by registration id; None is the base model): an adapter changes every layer's K/V. A
+retained row whose generation moved on was allocated since and is forgotten, so a stale row is
+never matched.
 """
 
 from __future__ import annotations
@@ -63,30 +65,35 @@ class PrefixIndex:
             raise ValueError(f"min_tokens must be at least 1, got {min_tokens}")
         self.rows = rows
         self.min_tokens = min_tokens
-        self._retained: dict[int, tuple[int, list[int]]] = {}  # row -> (generation, token ids)
+        # row -> (generation, adapter id, token ids)
+        self._retained: dict[int, tuple[int, int | None, list[int]]] = {}
 
-    def retain(self, row: int, ids: list[int]) -> None:
-        """Record that the just-freed ``row`` retains the K/V of ``ids``."""
-        self._retained[row] = (self.rows.generation(row), ids)
+    def retain(self, row: int, ids: list[int], adapter: int | None = None) -> None:
+        """Record that the just-freed ``row`` retains the K/V of ``ids``, computed with ``adapter``."""
+        self._retained[row] = (self.rows.generation(row), adapter, ids)
 
     def match(
-        self, prompt: Sequence[int], running: Iterable[Request], claimed: Collection[int]
+        self,
+        prompt: Sequence[int],
+        running: Iterable[Request],
+        claimed: Collection[int],
+        adapter: int | None = None,
     ) -> PrefixHit | None:
-        """The longest reusable prefix of ``prompt`` (ties go to a retained row: no copy); retained
-        rows in ``claimed`` are already taken this step."""
+        """The longest reusable prefix of ``prompt`` computed with ``adapter`` (ties go to a
+        retained row: no copy); retained rows in ``claimed`` are already taken this step."""
         limit = len(prompt) - 1
         if limit < self.min_tokens:
             return None
         best: PrefixHit | None = None
-        for row, (generation, ids) in list(self._retained.items()):
+        for row, (generation, row_adapter, ids) in list(self._retained.items()):
             if self.rows.generation(row) != generation or not self.rows.retained(row):
                 del self._retained[row]
-            elif row not in claimed:
+            elif row not in claimed and row_adapter == adapter:
                 n = common_prefix(prompt, ids, min(limit, self.rows.retained(row)))
                 if best is None or n > best.length:
                     best = PrefixHit(row, n, retained=True)
         for request in running:
-            if request.row is None:
+            if request.row is None or request.adapter_id != adapter:
                 continue
             n = self._live_match(prompt, request, min(limit, self.rows.length(request.row)))
             if best is None or n > best.length:

@@ -35,16 +35,17 @@ from typing import Any
 
 from neuron_lmi.config.options import DEFAULT_MAX_QUEUE_SIZE
 from neuron_lmi.engine import process_worker as wire
-from neuron_lmi.engine.admission import Admission, Capacity, ValidRequest
+from neuron_lmi.engine.admission import Admission, Capacity, ValidRequest, check_accepting
 from neuron_lmi.engine.detokenizer import TextStream, TokenTexts, text_decoder, text_stream
 from neuron_lmi.engine.front import EngineFront
-from neuron_lmi.engine.streams import Mailbox, post, read_stream
+from neuron_lmi.engine.streams import Answers, Mailbox, post, read_stream
 from neuron_lmi.engine.types import (
     EngineDeadError,
     EngineStats,
     FinishReason,
     InvalidRequestError,
     TokenEvent,
+    UnknownAdapterError,
 )
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class _Live:
     text: TextStream
     prompt_tokens: int
     tokens: int = 0
+    adapter: str | None = None
 
 
 class ProcessEngine(EngineFront):
@@ -73,6 +75,11 @@ class ProcessEngine(EngineFront):
     at most ``max_batch_size + max_queue_size`` requests are in flight (more are refused with
     ``EngineOverloadedError``); a stream closed before its last event aborts its request; every
     request ends with exactly one event carrying ``finish_reason``, even when the engine dies.
+
+    LoRA adapters (``AdapterHost``): ``adapters`` is this side's view of what the engine serves,
+    which admission checks requests against. An adapter enters it once the engine has read it, and
+    leaves it as soon as its unloading is asked for (new requests get 404 while the requests
+    already sent finish). A restarted engine serves its start-up adapters only.
     """
 
     def __init__(
@@ -90,6 +97,7 @@ class ProcessEngine(EngineFront):
         self._factory = factory
         self._send_lock = threading.Lock()
         self._live: dict[str, _Live] = {}  # single dict operations only: atomic under the GIL
+        self._answers = Answers()  # the engine's replies to adapter loads and unloads
         self._sent = 0  # ADD messages sent
         self._received = 0  # ADD messages the engine has taken
         self._snapshot: tuple[Any, ...] = (0, 0, 0, 0, 0, {})
@@ -105,6 +113,8 @@ class ProcessEngine(EngineFront):
         self._decode = text_decoder(info.tokenizer)
         self._texts = TokenTexts(info.tokenizer)
         self.admission = Admission(info.tokenizer.encode, limits)
+        self.adapters: dict[str, str] = dict(info.adapters)
+        self.admission.adapters = self.adapters
 
     @property
     def tokenizer(self) -> Any:
@@ -187,6 +197,8 @@ class ProcessEngine(EngineFront):
                 message = self._conn.recv()
                 if message[0] == wire.OUT:
                     self._on_output(*message[1:])
+                elif message[0] == wire.ADAPTER_DONE:
+                    self._answers.answer(*message[1:])
                 elif message[0] == wire.DEAD:
                     return f"the engine loop died: {message[1]}"
         except (EOFError, OSError):
@@ -213,6 +225,8 @@ class ProcessEngine(EngineFront):
             self._finalizer = weakref.finalize(self, _shut_down, proc, conn)
             self._sent = self._received = 0
             self._snapshot = (0, 0, 0, 0, 0, {})
+            self.adapters.clear()
+            self.adapters.update(_info.adapters)
             self.failure = None
             self._alive = True
             log.warning(
@@ -231,6 +245,8 @@ class ProcessEngine(EngineFront):
             if live is not None:
                 unexpected = field == wire.UNEXPECTED
                 error = RuntimeError(message) if unexpected else InvalidRequestError(message, field)
+                if field == "adapter" and live.adapter is not None:  # unloaded since admission
+                    error = UnknownAdapterError(live.adapter)
                 batch.append((live.mailbox, error))
         stopped: list[str] = []
         for fields in events:
@@ -260,7 +276,8 @@ class ProcessEngine(EngineFront):
 
     def _end_all(self, error: EngineDeadError | None = None) -> None:
         """End every stream still open: with ``error`` (the engine died under it), else with an
-        ABORT event (the engine stopped)."""
+        ABORT event (the engine stopped); an adapter operation still waiting fails."""
+        self._answers.answer_all((str(error or "the engine stopped"), wire.UNEXPECTED, False))
         batch: list[tuple[Mailbox, TokenEvent | BaseException]] = []
         for request_id in list(self._live):
             live = self._live.pop(request_id, None)
@@ -280,7 +297,7 @@ class ProcessEngine(EngineFront):
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
         mailbox = Mailbox(asyncio.get_running_loop())
         text = text_stream(self._tokenizer, ids, params, self._decode)
-        live = self._live[request_id] = _Live(mailbox, text, len(ids))
+        live = self._live[request_id] = _Live(mailbox, text, len(ids), adapter=params.adapter)
         self._sent += 1
         self._send((wire.ADD, request_id, ids, wire.params_tuple(params)))
         return self._stream(request_id, live)
@@ -300,6 +317,38 @@ class ProcessEngine(EngineFront):
 
         async for event in read_stream(live.mailbox, abandon, lambda: self._alive, self._dead_error):
             yield event
+
+    # -- adapters (AdapterHost) ---------------------------------------------------------------
+    @property
+    def serves_adapters(self) -> bool:
+        return self.admission.limits.capabilities.lora
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Have the engine read and register a LoRA adapter; raises ``InvalidRequestError``
+        naming it and why (a rank, a base model, a target module, a path)."""
+        check_accepting(self._alive, self._stopping)
+        if name in self.adapters:
+            raise InvalidRequestError(f"adapter {name!r} is already loaded", "lora_name")
+        await self._adapter_call(wire.LOAD_ADAPTER, name, path)
+        self.adapters[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving an adapter at once (``UnknownAdapterError`` if not served); the requests
+        already running with it finish, and the engine frees it after the last."""
+        check_accepting(self._alive, stopping=False)  # a draining engine still unloads
+        if self.adapters.pop(name, None) is None:
+            raise UnknownAdapterError(name, "lora_name")
+        await self._adapter_call(wire.UNLOAD_ADAPTER, name)
+
+    async def _adapter_call(self, kind: str, *args: str) -> None:
+        token, answer = self._answers.expect()
+        self._send((kind, token, *args))
+        outcome = await answer
+        if outcome is not None:
+            message, field, not_found = outcome
+            if not_found:
+                raise UnknownAdapterError(args[0], "lora_name")
+            raise RuntimeError(message) if field == wire.UNEXPECTED else InvalidRequestError(message, field)
 
     async def abort(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)

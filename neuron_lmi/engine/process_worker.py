@@ -35,17 +35,20 @@ from typing import Any
 
 from neuron_lmi.engine.admission import AdmissionLimits, ValidRequest
 from neuron_lmi.engine.step_clock import StepClock
-from neuron_lmi.engine.types import InvalidRequestError, SamplingParams, TokenEvent
+from neuron_lmi.engine.types import InvalidRequestError, SamplingParams, TokenEvent, UnknownAdapterError
 
 log = logging.getLogger(__name__)
 
 # Messages to the engine process (after the bootstrap's sys.path and (factory, log level, format)):
 #   (ADD, request_id, prompt_ids, params_tuple(params))   (ABORT, request_id)   (STOP,)
+#   (LOAD_ADAPTER, token, name, path)   (UNLOAD_ADAPTER, token, name)
 ADD, ABORT, STOP = "add", "abort", "stop"
+LOAD_ADAPTER, UNLOAD_ADAPTER = "load_adapter", "unload_adapter"
 # Messages from it: (READY, EngineInfo) or (FAILED, exception) once, then per loop iteration
 #   (OUT, [event_tuple(event), ...], [(request_id, message, field), ...], stats, adds_taken)
-# and (DEAD, reason) if the loop dies.
-READY, FAILED, OUT, DEAD = "ready", "failed", "out", "dead"
+# and (DEAD, reason) if the loop dies; each LOAD/UNLOAD_ADAPTER is answered at once with
+#   (ADAPTER_DONE, token, None) or (ADAPTER_DONE, token, (message, field, not_found))
+READY, FAILED, OUT, DEAD, ADAPTER_DONE = "ready", "failed", "out", "dead", "adapter_done"
 
 IDLE_POLL_S = 0.05
 UNEXPECTED = "\0unexpected"  # the ``field`` of a refusal that was an engine error, not a bad request
@@ -83,6 +86,7 @@ class EngineInfo:
 
     limits: AdmissionLimits
     tokenizer: Any
+    adapters: dict[str, str] = dataclasses.field(default_factory=dict)  # LoRA name -> path, at start
 
 
 # Run by ``python -c BOOTSTRAP FD PID`` in a fresh interpreter (PID: the API process's): take the
@@ -129,7 +133,7 @@ def engine_main(conn: Connection, parent_pid: int) -> None:
     logging.basicConfig(level=log_level, format=log_format or logging.BASIC_FORMAT)
     try:
         core = factory()
-        info = EngineInfo(core.admission_limits(0), core.tokenizer)
+        info = EngineInfo(core.admission_limits(0), core.tokenizer, core.adapter_names())
     except BaseException as exc:  # a missing model (FileNotFoundError) included: the API side raises it
         log.exception("the engine process could not build its engine")
         with contextlib.suppress(OSError):
@@ -219,9 +223,27 @@ class EngineLoop:
                 self.core.add(request)
             elif kind == ABORT:
                 self.core.abort(message[1])
+            elif kind in (LOAD_ADAPTER, UNLOAD_ADAPTER):
+                self._adapter(message)
             elif kind == STOP:
                 return False
         return True
+
+    def _adapter(self, message: tuple[Any, ...]) -> None:
+        """Load or unload an adapter and answer at once (the API side awaits the answer)."""
+        token, name = message[1], message[2]
+        outcome = None
+        try:
+            if message[0] == LOAD_ADAPTER:
+                self.core.load_adapter(name, message[3])
+            else:
+                self.core.unload_adapter(name)
+        except InvalidRequestError as exc:
+            outcome = (str(exc), exc.field, isinstance(exc, UnknownAdapterError))
+        except Exception as exc:  # a broken adapter must not take the engine down
+            log.exception("adapter %s could not be %sed", name, message[0].split("_")[0])
+            outcome = (f"{type(exc).__name__}: {exc}", UNEXPECTED, False)
+        self.conn.send((ADAPTER_DONE, token, outcome))
 
     def _send(self) -> None:
         stats = self.core.stats()

@@ -6,7 +6,7 @@ adapter (``gpu_fallback``) both implement it; the server sees nothing else.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from neuron_lmi.engine.admission import ValidRequest
@@ -56,3 +56,27 @@ class Engine(Protocol):
     def prometheus_collectors(self) -> list[Any]:
         """Collectors of the backend's own series (vLLM's ``vllm:*``), served beside the server's."""
         ...
+
+
+@runtime_checkable
+class AdapterHost(Protocol):
+    """An engine that serves LoRA adapters chosen per request (``SamplingParams.adapter``) and
+    loads them at run time (the CPU engine's ``ProcessEngine``); the server's adapter routes answer
+    400 for an engine that is not one.
+
+    Invariants: ``adapters`` maps each served adapter's name to where it was read from;
+    ``load_adapter`` returns once the adapter serves requests, or raises ``InvalidRequestError``
+    naming it and why; ``unload_adapter`` refuses new requests for it at once (``UnknownAdapterError``
+    for a name not served) and lets those already running finish.
+    """
+
+    adapters: Mapping[str, str]
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether this engine was started with LoRA on (``option.enable_lora``)."""
+        ...
+
+    async def load_adapter(self, name: str, path: str) -> None: ...
+
+    async def unload_adapter(self, name: str) -> None: ...

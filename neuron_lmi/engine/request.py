@@ -46,6 +46,10 @@ class Request:
     finish_reason: FinishReason | None = None
     spec_misses: int = 0  # drafts in a row with nothing accepted
     spec_pause: int = 0  # decode steps left without drafts
+    # The LoRA adapter's registration id while the request holds it (``engine.lora``; None: the base
+    # model), and the runner slot it runs in while it holds a row.
+    adapter_id: int | None = None
+    lora_slot: int | None = None
 
     @property
     def all_ids(self) -> list[int]:

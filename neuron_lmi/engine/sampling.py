@@ -30,6 +30,7 @@ import torch
 
 from neuron_lmi.engine.grammar import GrammarState, allowed_tokens
 from neuron_lmi.engine.types import SamplingParams
+from neuron_lmi.models import ops
 from neuron_lmi.models.token_draw import draw_from_logits
 
 NEG_INF = float("-inf")
@@ -254,6 +255,7 @@ def sample(
             torch.tensor([p.top_p for p in sub]),
             torch.tensor([p.min_p for p in sub]),
         )
+        ops.kernels()  # the draw's kernel: an engine registers it at start-up, a direct caller here
         picked = draw_from_logits(filtered, [generators[i] for i in rows])
         chosen = picked if every else chosen.index_put_((torch.tensor(rows),), picked)
     if logprobs_all is None:

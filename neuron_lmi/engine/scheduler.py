@@ -11,17 +11,20 @@ tokens; ``Scheduler.finish`` releases a row, retaining its prefix. Two small pol
   one piece, within a prefill budget) or ``ChunkedPrefill`` (one budget shared with the running
   decodes; prompts are split into chunks, so a burst of long prompts never freezes the streams);
 * ``PrefixIndex`` (``engine.prefix``) — which cached prefix a new prompt can start from;
+* ``AdapterTable`` (``engine.lora``) — the runner's LoRA slots: a request with an adapter is
+  admitted once its adapter has a slot (``pin``), and each batch carries its lines' slots;
 * ``Speculator`` (``engine.speculation``) — which draft tokens a decoding row verifies this step
-  (speculative decoding: the decode becomes the chunk ``[last token, d1..dk]``).
+  (speculative decoding: the decode becomes the verify line ``[last token, d1..dk]``).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from cache_api import RowTable
+from neuron_lmi.engine.lora import AdapterTable
 from neuron_lmi.engine.prefix import PrefixHit, PrefixIndex
 from neuron_lmi.engine.request import Request, Status
 from neuron_lmi.engine.speculation import Speculator
@@ -154,6 +157,7 @@ class Scheduler:
         prefix: PrefixIndex | None = None,
         rows: RowTable | None = None,
         capabilities: RunnerCapabilities | None = None,
+        adapters: AdapterTable | None = None,
         speculator: Speculator | None = None,
     ) -> None:
         if max_prefill_tokens <= 0:
@@ -163,9 +167,11 @@ class Scheduler:
         self.prefix = prefix
         self.rows = rows
         self.capabilities = capabilities or RunnerCapabilities()
+        self.adapters = adapters
         self.speculator = speculator
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._failed: list[tuple[Request, Exception]] = []  # refused while admitting (an adapter's read)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -178,7 +184,7 @@ class Scheduler:
         for request in self.running:
             if request.prompt_done:
                 continue
-            n = self.prefill.take(len(request.prompt_ids) - request.prefilled, budget, first=not chunks)
+            n = self._take(len(request.prompt_ids) - request.prefilled, budget, first=not chunks)
             if n == 0:
                 break
             chunks.append(PrefillChunk(request, request.prefilled, request.prefilled + n))
@@ -203,11 +209,22 @@ class Scheduler:
         claimed: set[int] = set()  # retained rows already taken over this step
         while self.waiting and len(admitted) < free_rows:
             request = self.waiting[0]
-            hit = self.prefix.match(request.prompt_ids, self.running, claimed) if self.prefix else None
+            hit = None
+            if self.prefix is not None:
+                hit = self.prefix.match(request.prompt_ids, self.running, claimed, request.adapter_id)
             start = hit.length if hit else 0
-            n = self.prefill.take(len(request.prompt_ids) - start, budget, first=not chunks)
+            n = self._take(len(request.prompt_ids) - start, budget, first=not chunks)
             if n == 0:
                 break
+            if request.adapter_id is not None and self.adapters is not None:
+                try:
+                    request.lora_slot = self.adapters.pin(request.adapter_id)
+                except Exception as exc:  # its adapter could not be read again: this request fails
+                    self.waiting.popleft()
+                    self._failed.append((request, exc))
+                    continue
+                if request.lora_slot is None:  # every slot runs other adapters: wait, in order
+                    break
             self.waiting.popleft()
             if hit is not None and hit.retained:
                 claimed.add(hit.row)
@@ -216,14 +233,24 @@ class Scheduler:
             budget -= n
         return admitted
 
+    def _take(self, remaining: int, budget: int, first: bool) -> int:
+        """The policy's chunk, within the longest line one forward takes (a longer prompt goes on
+        in the next steps' chunks)."""
+        n = self.prefill.take(remaining, budget, first)
+        longest = self.capabilities.max_chunk_tokens
+        return n if longest is None else min(n, longest)
+
     # -- rows and batches ---------------------------------------------------------------------
     def next_step(self) -> StepPlan:
         """Decide the step (``schedule``), place its new requests and cut it into batches."""
         rows = self._table()
         plan = StepPlan(self.schedule(rows.occupancy().rows_free))
+        plan.failed, self._failed = self._failed, []
         self._place(plan)
         placed = [c for c in plan.decision.chunks if c.request.row is not None]
         plan.batches = self._batches(placed, plan.decision)
+        if self.adapters is not None:  # only an engine serving adapters looks at them
+            plan.batches = [(with_adapters(batch, requests), requests) for batch, requests in plan.batches]
         return plan
 
     def _table(self) -> RowTable:
@@ -252,22 +279,34 @@ class Scheduler:
     def _batches(
         self, chunks: list[PrefillChunk], decision: SchedulerOutput
     ) -> list[tuple[StepBatch, list[Request]]]:
-        """One EXTEND batch where the runner mixes steps; otherwise one batch per kind: new prompts,
-        continued chunks, decodes (first where every live row must step together,
-        ``RunnerCapabilities.live_rows_step_together``), and the speculative decodes as an EXTEND
-        batch beside the decodes. A line with a draft wants the logits of all its positions."""
+        """One EXTEND batch where the runner mixes steps and the step fits one forward
+        (``RunnerCapabilities.mixed_limits``); otherwise one batch per kind: new prompts (in the
+        EXTEND batch where ``prefill_as_extend``), continued chunks, decodes (first where every live
+        row must step together, ``live_rows_step_together``).
+
+        A decode with a draft is a verify line, which wants the logits of all its positions
+        (``StepBatch.logit_counts``): it rides in the mixed batch only where the runner's mixed
+        forward returns them (``mixed_verify``), within the same limits; otherwise the step's verify
+        lines come as an EXTEND batch of their own, right after the decodes."""
+        capabilities = self.capabilities
         lines = [_decode_line(r, decision.drafts.get(r, ())) for r in decision.decode]
-        if self.capabilities.mixed_steps and (chunks or lines):
-            mixed = [_chunk_line(c) for c in chunks] + lines
-            return [_batch(BatchKind.EXTEND, mixed, len(lines), verifies=bool(decision.drafts))]
         decode = [line for line in lines if len(line[2]) == 1]
         verify = [line for line in lines if len(line[2]) > 1]
+        if capabilities.mixed_steps:
+            riding, apart = (lines, []) if capabilities.mixed_verify else (decode, verify)
+            mixed = [_chunk_line(c) for c in chunks] + riding
+            limits = capabilities.mixed_limits
+            if mixed and (
+                limits is None or limits.fits([line[1] for line in mixed], [len(line[2]) for line in mixed])
+            ):
+                verifies = len(riding) > len(decode)
+                return [_batch(BatchKind.EXTEND, mixed, len(riding), verifies), *_verify_batches(apart)]
         batches = []
-        decode_first = self.capabilities.live_rows_step_together
+        decode_first = capabilities.live_rows_step_together or capabilities.mixed_steps
         if decode_first:
             batches += _decode_batches(decode, verify)
-        fresh = [_chunk_line(c) for c in chunks if c.start == 0]
-        more = [_chunk_line(c) for c in chunks if c.start > 0]
+        fresh = [_chunk_line(c) for c in chunks if c.start == 0 and not capabilities.prefill_as_extend]
+        more = [_chunk_line(c) for c in chunks if c.start > 0 or capabilities.prefill_as_extend]
         if fresh:
             batches.append(_batch(BatchKind.PREFILL, fresh))
         if more:
@@ -289,8 +328,11 @@ class Scheduler:
                 keep = 0
             rows.remove(request.row, keep)
             if keep:
-                prefix.retain(request.row, request.all_ids[:keep])  # type: ignore[union-attr]
+                prefix.retain(request.row, request.all_ids[:keep], request.adapter_id)  # type: ignore[union-attr]
             request.row = None
+        if request.lora_slot is not None and self.adapters is not None:
+            self.adapters.unpin(request.lora_slot)
+            request.lora_slot = None
         self.remove(request)
 
     def remove(self, request: Request) -> None:
@@ -319,11 +361,14 @@ def _decode_line(request: Request, draft: tuple[int, ...] = ()) -> _Line:
 
 
 def _decode_batches(decode: list[_Line], verify: list[_Line]) -> list[tuple[StepBatch, list[Request]]]:
-    """The plain decodes as a DECODE batch, the speculative ones as an EXTEND batch."""
+    """The plain decodes as a DECODE batch, then the verify lines as an EXTEND batch."""
     batches = [_batch(BatchKind.DECODE, decode, len(decode))] if decode else []
-    if verify:
-        batches.append(_batch(BatchKind.EXTEND, verify, len(verify), verifies=True))
-    return batches
+    return batches + _verify_batches(verify)
+
+
+def _verify_batches(verify: list[_Line]) -> list[tuple[StepBatch, list[Request]]]:
+    """The verify lines (decodes with a draft) as an EXTEND batch of their own, if any."""
+    return [_batch(BatchKind.EXTEND, verify, len(verify), verifies=True)] if verify else []
 
 
 def _batch(
@@ -343,6 +388,12 @@ def _batch(
         tuple(line[2] for line in lines),
         tuple(line[3] for line in lines),
         decodes,
-        counts,
+        logit_counts=counts,
     )
     return batch, requests
+
+
+def with_adapters(batch: StepBatch, requests: list[Request]) -> StepBatch:
+    """``batch`` with its lines' LoRA slots, where any line has one (else ``batch`` itself)."""
+    slots = tuple(r.lora_slot for r in requests)
+    return replace(batch, adapters=slots) if any(s is not None for s in slots) else batch

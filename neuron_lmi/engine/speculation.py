@@ -61,10 +61,19 @@ def check_speculation(config: SpeculativeConfig, capabilities: RunnerCapabilitie
     if capabilities.device_sampling is not None:
         raise ValueError(f"{KEY}: {runner} samples on the device, which cannot verify draft tokens")
     need = config.num_speculative_tokens + 1
-    if capabilities.max_verify_tokens < need:
-        can = capabilities.max_verify_tokens
+    if verify_tokens(capabilities) < need:
+        can = verify_tokens(capabilities)
         reason = "cannot verify several tokens in one forward" if can < 2 else f"verifies at most {can - 1}"
         raise ValueError(f"{KEY}: num_speculative_tokens={need - 1}, but {runner} {reason}")
+
+
+def verify_tokens(capabilities: RunnerCapabilities) -> int:
+    """The longest verify line (``[last token, d1..dk]``) one forward takes: within both the
+    positions whose logits it returns (``max_verify_tokens``) and its longest line
+    (``max_chunk_tokens``)."""
+    longest = capabilities.max_chunk_tokens
+    can = capabilities.max_verify_tokens
+    return can if longest is None else min(can, longest)
 
 
 def propose_ngram(ids: Sequence[int], k: int, low: int, high: int) -> list[int]:
@@ -178,9 +187,10 @@ class Speculator:
     """Drafts for decoding rows (``draft``) and what became of them (``observe``): the n-gram
     proposer, the per-request back-off and the counters.
 
-    Invariants: a draft is never longer than ``num_speculative_tokens``, than the runner verifies
-    (``max_verify_tokens - 1``), than the row has positions left for, or than the request may still
-    generate minus one (the model's own token always follows the drafts).
+    Invariants: a draft is never longer than ``num_speculative_tokens``, than the runner verifies in
+    one forward (``max_verify_tokens - 1``: the engine gives ``verify_tokens(capabilities)``), than
+    the row has positions left for, or than the request may still generate minus one (the model's
+    own token always follows the drafts).
     """
 
     def __init__(self, config: SpeculativeConfig, max_verify_tokens: int, n_positions: int) -> None:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
 
 from neuron_lmi.engine.types import EngineDeadError, TokenEvent
 
@@ -114,3 +115,42 @@ async def read_stream(
     finally:
         if not finished:
             on_abandon()
+
+
+class Answers:
+    """One-off answers from another thread (the reader of an engine process) to the coroutines that
+    asked, by token: the engine's replies to adapter loads and unloads.
+
+    Invariant: each token is answered once; ``answer_all`` answers every one still waiting (the
+    engine died or stopped under them).
+    """
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
+        self._last = 0
+
+    def expect(self) -> tuple[int, asyncio.Future[Any]]:
+        """A new token and the future its answer sets (on the running loop)."""
+        self._last += 1
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._waiting[self._last] = (loop, future)
+        return self._last, future
+
+    def answer(self, token: int, value: Any) -> None:
+        """From any thread; nothing when nobody waits (any more) for ``token``."""
+        waiting = self._waiting.pop(token, None)
+        if waiting is None:
+            return
+        loop, future = waiting
+
+        def settle() -> None:
+            if not future.done():
+                future.set_result(value)
+
+        with contextlib.suppress(RuntimeError):  # its event loop has closed: nobody waits
+            loop.call_soon_threadsafe(settle)
+
+    def answer_all(self, value: Any) -> None:
+        for token in list(self._waiting):
+            self.answer(token, value)

@@ -33,6 +33,14 @@ class InvalidRequestError(ValueError):
         self.field = field
 
 
+class UnknownAdapterError(InvalidRequestError):
+    """A request names a LoRA adapter the engine does not serve (or is unloading): HTTP 404."""
+
+    def __init__(self, adapter: str, field: str = "adapter") -> None:
+        super().__init__(f"the adapter {adapter!r} does not exist", field)
+        self.adapter = adapter
+
+
 class EngineOverloadedError(RuntimeError):
     """The rolling batch and its bounded queue are full; the caller should retry later."""
 
@@ -172,6 +180,10 @@ class SamplingParams:
     # LMI/TGI's ``do_sample``: False decodes greedily whatever ``temperature`` says (the value is
     # still validated, as TGI refuses ``temperature: -1`` without sampling).
     do_sample: bool = True
+    # The LoRA adapter the request runs with (OpenAI's ``model``, LMI's ``parameters.adapters``,
+    # TGI's ``parameters.adapter_id``); None: the base model. Not sampling, but a request field that
+    # crosses every boundary with the rest: admission checks that the engine serves it.
+    adapter: str | None = None
 
     @property
     def greedy(self) -> bool:

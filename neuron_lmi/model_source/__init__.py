@@ -18,14 +18,21 @@ __all__ = [
     "Deadline",
     "ModelLoadTimeout",
     "ModelSourceError",
+    "fetch_adapter",
     "fetch_hub",
     "fetch_model",
     "fetch_s3",
+    "model_cache_dir",
     "parse_s3_uri",
     "verify_file",
 ]
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def model_cache_dir(env: Mapping[str, str]) -> Path:
+    """Where fetched models go: ``NEURON_LMI_MODEL_CACHE``, else ``~/.cache/neuron-lmi/models``."""
+    return Path(env.get("NEURON_LMI_MODEL_CACHE") or Path.home() / ".cache" / "neuron-lmi" / "models")
 
 
 def fetch_model(
@@ -64,8 +71,26 @@ def fetch_model(
     )
 
 
+def fetch_adapter(
+    source: str, cache_dir: Path, env: Mapping[str, str] | None = None, timeout_s: float | None = None
+) -> Path:
+    """A LoRA adapter's directory for ``source``: a local directory, ``s3://bucket/prefix`` (mirrored
+    as a model is) or a Hub id. What the directory holds is the adapter reader's to check."""
+    env = os.environ if env is None else env
+    text = source.strip()
+    deadline = Deadline.start(text, timeout_s)
+    if text.startswith("s3://"):
+        return fetch_s3(text, Path(cache_dir), deadline, env)
+    local = Path(text.removeprefix("file://")).expanduser()
+    if text and local.is_dir():
+        return local.resolve()
+    if "://" not in text and not local.is_absolute() and HUB_ID.fullmatch(text):
+        return fetch_hub(text, Path(cache_dir), deadline, env, None)
+    raise ModelSourceError(f"adapter {text!r} is not a local directory, an s3:// URI or a Hub id")
+
+
 def _builtin_names() -> list[str]:
-    from neuron_lmi.models.builtin import BUILTIN_MODELS
+    from neuron_lmi.models.builtin import BUILTIN_MODELS  # lazily, as in _builtin: torch
 
     return sorted(BUILTIN_MODELS)
 

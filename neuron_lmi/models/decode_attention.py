@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import torch
 
-from neuron_lmi.models import native
-
 _library = torch.library.Library("neuron_lmi", "FRAGMENT")
 _library.define(
     "decode_attention(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor positions, float scale, int window)"
@@ -85,13 +83,8 @@ def reference(
     return compiled_decode_attention(q, k, v, visible, scale)
 
 
-def kernel() -> str:
-    """Register the op's CPU kernel once (``native``, else ``python``) and say which runs."""
-    return native.kernels()
-
-
 def register_python_kernels() -> None:
-    """``reference`` as the op's kernel, where the native one did not build (``native.kernels``)."""
+    """``reference`` as the op's kernel, where the native one did not build (``ops.kernels``)."""
     _library.impl("decode_attention", reference, "CPU")
 
 
@@ -104,5 +97,5 @@ def decode_attention(
     scale: float,
     window: int,
 ) -> torch.Tensor:
-    """The op (what a traced graph records); ``kernel()`` first."""
+    """The op (what a traced graph records); its kernel is registered by ``ops.kernels``."""
     return torch.ops.neuron_lmi.decode_attention(q, k, v, rows, positions, scale, window)

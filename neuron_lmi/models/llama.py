@@ -33,6 +33,7 @@ from neuron_lmi.models.attention import (
     contiguous_rows,
     grouped_decode_attention,
 )
+from neuron_lmi.models.lora import ATTENTION_PROJECTIONS, PROJECTIONS, LayerLora, LoraBatch, add_lora
 from neuron_lmi.models.quant import linear
 from neuron_lmi.models.rope import Rotary, apply_rotary
 
@@ -106,26 +107,55 @@ class DecoderLayer(nn.Module):
         """This layer's RMSNorm (Gemma's scales by ``1 + weight``)."""
         return rms_norm(x, weight, self.eps)
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def lora_projections(self) -> frozenset[str]:
+        """The projections a LoRA adapter may adapt here (``models.lora``): those whose method is
+        this class's (a family that overrides one, such as an expert MLP, adapts the rest)."""
+        cls = type(self)
+        attention = cls.qkv is DecoderLayer.qkv and cls.attn_out is DecoderLayer.attn_out
+        mlp = cls.mlp is DecoderLayer.mlp
+        return frozenset(p for p in PROJECTIONS if (p in ATTENTION_PROJECTIONS and attention) or
+                         (p not in ATTENTION_PROJECTIONS and mlp))  # fmt: skip
+
+    def qkv(
+        self, x: torch.Tensor, lora: LayerLora | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[B, T, hidden] -> q [B, H, T, D], k and v [B, KVH, T, D] (q/k normed where the model
-        has q/k norms; rotary is the caller's)."""
+        has q/k norms; rotary is the caller's). ``lora``: the adapted lines' low-rank updates."""
         b, t, _ = x.shape
         h = self.norm(x, self.input_norm)
-        qkv = linear(h, self.wqkv, self.bqkv).view(b, t, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        qkv = linear(h, self.wqkv, self.bqkv)
+        if lora is not None:
+            qkv = add_lora(qkv, h, lora, "qkv")
+        qkv = qkv.view(b, t, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def attn_out(self, attn: torch.Tensor) -> torch.Tensor:
+    def attn_out(self, attn: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
         """[B, H, T, D] -> [B, T, hidden] (partial sum under tensor parallelism)."""
         b, _, t, _ = attn.shape
-        return linear(attn.transpose(1, 2).reshape(b, t, -1), self.wo, self.bo)
+        flat = attn.transpose(1, 2).reshape(b, t, -1)
+        out = linear(flat, self.wo, self.bo)
+        return out if lora is None else add_lora(out, flat, lora, "o")
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
         h = self.norm(x, self.post_norm)
-        gate, up = linear(h, self.w_gate_up, self.b_gate_up).chunk(2, dim=-1)
-        return linear(ACTIVATIONS[self.hidden_act](gate) * up, self.w_down, self.b_down)
+        gate_up = linear(h, self.w_gate_up, self.b_gate_up)
+        if lora is not None:
+            gate_up = add_lora(gate_up, h, lora, "gate_up")
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = ACTIVATIONS[self.hidden_act](gate) * up
+        out = linear(act, self.w_down, self.b_down)
+        return out if lora is None else add_lora(out, act, lora, "down")
+
+    # A family's own attn_out or mlp (Gemma 3, an expert MLP) takes no adapter: those projections are
+    # not in its lora_projections, so no slot holds weights for them and they are called plainly.
+    def _attn_out(self, attn: torch.Tensor, lora: LayerLora) -> torch.Tensor:
+        return self.attn_out(attn, lora) if "o" in lora.weights else self.attn_out(attn)
+
+    def _mlp(self, x: torch.Tensor, lora: LayerLora) -> torch.Tensor:
+        return self.mlp(x, lora) if "gate_up" in lora.weights or "down" in lora.weights else self.mlp(x)
 
     def prefill_step(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, scale: float
@@ -158,11 +188,17 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(x)
 
     def extend_step(
-        self, x: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, step: ExtendInputs
+        self,
+        x: torch.Tensor,
+        k_layer: torch.Tensor,
+        v_layer: torch.Tensor,
+        step: ExtendInputs,
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:
         """[n, T, hidden] -> next hidden; writes the chunk's K/V into the cache first, then attends
-        over the row's first ``attn_len`` positions (cached prefix + this chunk)."""
-        q, k, v = self.qkv(x)
+        over the row's first ``attn_len`` positions (cached prefix + this chunk). ``lora``: the
+        adapted lines' updates (the eager path of a batch with adapters)."""
+        q, k, v = self.qkv(x) if lora is None else self.qkv(x, lora)
         q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
         k_new, v_new = k.transpose(1, 2)[step.valid], v.transpose(1, 2)[step.valid]
         write_step(k_layer, v_layer, step.write_rows, step.write_positions, k_new, v_new)
@@ -171,8 +207,11 @@ class DecoderLayer(nn.Module):
         attn = F.scaled_dot_product_attention(
             q, k_all, v_all, attn_mask=step.mask, scale=step.scale, enable_gqa=True
         )
-        x = x + self.attn_out(attn)
-        return x + self.mlp(x)
+        if lora is None:  # the common path, as before adapters
+            x = x + self.attn_out(attn)
+            return x + self.mlp(x)
+        x = x + self._attn_out(attn, lora)
+        return x + self._mlp(x, lora)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -414,6 +453,7 @@ class LlamaForCausalLM(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         attn_len: int,
+        lora: LoraBatch | None = None,
         last: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Append right-padded chunks ``tokens`` [n, T] to ``rows``, which hold ``starts`` positions.
@@ -422,7 +462,8 @@ class LlamaForCausalLM(nn.Module):
         over its cached prefix and itself (the sliding window respected); returns the logits of each
         chunk's last token [n, vocab], or with ``last`` those of each chunk's last ``last[i]`` tokens
         in order, ``[sum(last), vocab]`` (a speculative decode's verification).
-        ``attn_len`` >= every ``starts[i] + lengths[i]``.
+        ``attn_len`` >= every ``starts[i] + lengths[i]``. ``lora``: which lines run with which
+        resident adapter (``models.lora``; None: none).
         """
         n, t = tokens.shape
         lengths_t = torch.tensor(lengths, dtype=torch.long)
@@ -438,7 +479,11 @@ class LlamaForCausalLM(nn.Module):
             steps.append(ExtendInputs(rows, valid, *writes, *common))
         x = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer.extend_step(x, k_cache[i], v_cache[i], steps[self.layer_kind[i]])
+            step = steps[self.layer_kind[i]]
+            if lora is None:  # the common path: not a single extra call
+                x = layer.extend_step(x, k_cache[i], v_cache[i], step)
+            else:
+                x = layer.extend_step(x, k_cache[i], v_cache[i], step, lora.layer(i))
         if last is None:
             return self.logits(x[torch.arange(n), lengths_t - 1])
         # Only the wanted positions go through the final norm and the vocabulary projection.
@@ -446,3 +491,9 @@ class LlamaForCausalLM(nn.Module):
         lines = torch.arange(n).repeat_interleave(counts)
         offsets = torch.arange(len(lines)) - (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)
         return self.logits(x[lines, (lengths_t - counts).repeat_interleave(counts) + offsets])
+
+    def lora_projections(self) -> frozenset[str]:
+        """The projections an adapter may adapt in every layer (none where a layer cannot extend)."""
+        if not self.supports_extend:
+            return frozenset()
+        return frozenset.intersection(*(layer.lora_projections() for layer in self.layers))

@@ -1,10 +1,12 @@
-"""The C++ kernels of the ``neuron_lmi::`` ops, built once per host into one library.
+"""The C++ kernels of the ``neuron_lmi::`` ops, built once per host into one library. This module
+builds and loads it and knows no op: ``ops`` registers the kernels, the library's or the op modules'
+Python ones.
 
 ``packed_linear.cpp`` (the packed GEMMs), ``decode_attention.cpp`` (the compiled decode's
 attention) and ``token_draw.cpp`` (the sampler's draw) compile as one translation unit
 (``native_kernels.cpp``) with torch's C++ extension builder (about 10 s, one core) into
 ``~/.cache/neuron-lmi/kernels/torch-<version>-<digest>``; later processes load the built library.
-A CPU engine starts the build on a thread (``build_in_background``) as it begins loading its model.
+A CPU engine starts the build on a thread (``ops.build_in_background``) as it begins loading its model.
 The digest covers the sources, the flags, the CPU's instruction-set flags (the build targets this
 CPU, ``-march=native``, so a cache directory shared with another kind of host builds again instead
 of running instructions that CPU lacks) and the environment (torch's install path: the build file
@@ -14,8 +16,8 @@ The build holds ``<directory>.lock`` with ``flock``, which the kernel releases w
 however it dies. Holding it, a builder removes torch's own lock file (``<directory>/lock``, a plain
 file torch's builder waits on forever) where a killed build left it. A wait longer than
 ``BUILD_LOCK_TIMEOUT_S`` ends with an error naming the lock file. Where the build fails (no
-compiler, no ninja, that wait) ``kernels`` says so once and registers each op module's Python
-kernels instead. ``NEURON_LMI_NATIVE_KERNELS=0`` forces that (the Python kernels' own tests).
+compiler, no ninja, that wait) ``load_library`` says so once and ``ops.kernels`` registers each op
+module's Python kernels instead. ``NEURON_LMI_NATIVE_KERNELS=0`` forces that (the Python kernels' own tests).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from pathlib import Path
 import torch
 
 from compile_cache.lock import LockTimeoutError, key_lock
-from neuron_lmi.models import host_isa
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,7 @@ NAME = "neuron_lmi_native"
 BUILD_LOCK_TIMEOUT_S = 900.0  # a build takes 10-30 s; far past that, the holder is wedged
 TORCH_BATON = "lock"  # torch's builder's own lock file in the build directory
 
-_kernels: str | None = None  # "native" or "python", once registered
-_builder: threading.Thread | None = None  # build_in_background's thread, started once a process
+_loaded: bool | None = None  # whether the library loaded; None until load_library's first call ends
 _lock = threading.Lock()
 
 
@@ -93,49 +93,21 @@ def _interpreter_bin_on_path() -> Iterator[None]:
         os.environ["PATH"] = previous
 
 
-def kernels() -> str:
-    """Register the CPU kernels of every ``neuron_lmi::`` op once per process and say which run:
-    ``native`` (the library, built or taken from the cache), else ``python`` (each op module's
-    ``register_python_kernels``, with a warning from the failed build)."""
-    global _kernels
-    if _kernels is not None:  # called per step by the sampler: registered once, nothing to ask
-        return _kernels
-    host_isa.request_amx()  # before any native kernel or package runs (host_isa says why)
-    with _lock:
-        if _kernels is None:
-            # The library implements these modules' ops: they must be defined before it loads.
-            from neuron_lmi.models import decode_attention, packed_linear, token_draw
-
-            if _build():
-                _kernels = "native"
-            else:
-                decode_attention.register_python_kernels()
-                packed_linear.register_python_kernels()
-                token_draw.register_python_kernels()
-                _kernels = "python"
-    return _kernels
+def load_library() -> bool:
+    """Build the library (or take it from the cache) and load it, once per process; whether it
+    loaded, which registers its kernels. The ops it implements must be defined first: ``ops.kernels``
+    imports their modules before it calls this."""
+    global _loaded
+    if _loaded is None:
+        with _lock:
+            if _loaded is None:
+                _loaded = _build()
+    return _loaded
 
 
-def build_in_background() -> None:
-    """Start ``kernels`` on a thread. A first start on a host builds the library (about 10 s, one
-    core) while the model loads and the graphs trace and compile, which keep one core busy most of
-    that time; tracing needs the ops' schemas and fake kernels only (defined on import), and whatever
-    must run an op calls ``kernels``, which waits for the build under its lock."""
-    # Imported here, by the caller: the thread imports nothing while it holds the lock.
-    from neuron_lmi.models import decode_attention, packed_linear, token_draw  # noqa: F401
-
-    global _builder
-    host_isa.request_amx()
-    if _kernels is None and _builder is None:
-        # Not a daemon: an interpreter exiting mid-build waits for it, since torch's builder would
-        # otherwise leave its lock file in the build directory and the next build wait on it forever.
-        _builder = threading.Thread(target=kernels, name="neuron-lmi-native-build")
-        _builder.start()
-
-
-def registered() -> str | None:
-    """What ``kernels`` registered (``native``, ``python``), or None before its first call."""
-    return _kernels
+def library_loaded() -> bool:
+    """Whether the library's kernels are registered (False before ``load_library`` finished)."""
+    return bool(_loaded)
 
 
 def build_lock_path(directory: Path) -> Path:

@@ -91,13 +91,8 @@ def host_library(vendor: str | None = None) -> str | None:
     return next((library for library in order if available(library)), None)
 
 
-def kernel() -> str:
-    """Register the ops' CPU kernels once (``native``, else ``python``) and say which run."""
-    return native.kernels()
-
-
 def register_python_kernels() -> None:
-    """The Python kernels, where the native ones did not build (``native.kernels`` calls this)."""
+    """The Python kernels, where the native ones did not build (``ops.kernels`` calls this)."""
     for library in LIBRARIES:
         _library.impl(f"{library}_linear", _python_kernel(library), "CPU")
 
@@ -143,8 +138,8 @@ def _python_kernel(library: str) -> Callable[[torch.Tensor, torch.Tensor], torch
 
 
 def cached_packs() -> int:
-    """How many packs of live weights the registered kernels hold (0 before ``kernel()``)."""
-    if native.registered() == "native":
+    """How many packs of live weights the registered kernels hold (0 before ``ops.kernels()``)."""
+    if native.library_loaded():
         return int(torch.ops.neuron_lmi.packed_linear_live_packs())
     return sum(not ref.expired() for ref, _, _ in _packs.values())
 

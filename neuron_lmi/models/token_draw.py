@@ -20,8 +20,6 @@ from collections.abc import Sequence
 
 import torch
 
-from neuron_lmi.models import native
-
 _library = torch.library.Library("neuron_lmi", "FRAGMENT")
 _library.define("draw_from_logits(Tensor logits, Tensor uniform) -> Tensor")
 
@@ -64,14 +62,13 @@ def reference(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 
 def register_python_kernels() -> None:
-    """``reference`` as the op's kernel, where the native one did not build (``native.kernels``)."""
+    """``reference`` as the op's kernel, where the native one did not build (``ops.kernels``)."""
     _library.impl("draw_from_logits", reference, "CPU")
 
 
 def draw_from_logits(logits: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One token per row of ``logits`` ``[B, V]`` (fp32), row i drawn with one uniform number from
-    ``generators[i]`` (None: torch's default generator)."""
-    if native.registered() is None:  # an engine registers them at start-up; a direct caller here
-        native.kernels()
+    ``generators[i]`` (None: torch's default generator). The op's kernel is registered by
+    ``ops.kernels`` (the sampler calls it)."""
     uniform = torch.cat([torch.rand(1, generator=g) for g in generators])
     return torch.ops.neuron_lmi.draw_from_logits(logits, uniform)

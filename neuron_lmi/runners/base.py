@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -44,6 +44,10 @@ class StepBatch:
     ``1 .. len(chunks[i])``, and only in EXTEND batches: a speculative decode (``[last token, d1..dk]``)
     is verified from the logits of all its ``k + 1`` positions. The runner writes rows from
     ``starts``, whatever lengths they hold, so a failed batch can be sent again line by line.
+
+    ``adapters``: the LoRA slot of each line (None for a line of the base model), or None when no
+    line is adapted: the common case, which a runner takes without looking at adapters at all. Only
+    for runners with ``capabilities.lora``; the slots are the ones ``set_adapter`` filled.
     """
 
     kind: BatchKind
@@ -52,6 +56,7 @@ class StepBatch:
     chunks: tuple[Sequence[int], ...]
     samples: tuple[bool, ...]
     decodes: int = 0
+    adapters: tuple[int | None, ...] | None = None
     logit_counts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -75,8 +80,10 @@ class StepBatch:
         counts = (self.logit_counts[i],) if self.logit_counts else ()
         verifies = bool(counts) and counts[0] > 1  # a speculative decode
         decodes = 1 if self.kind is BatchKind.DECODE or (self.decodes and (len(one) == 1 or verifies)) else 0
+        slot = self.adapters[i] if self.adapters is not None else None
+        adapters = (slot,) if slot is not None else None
         rows, starts, samples = (self.rows[i],), (self.starts[i],), (self.samples[i],)
-        return StepBatch(self.kind, rows, starts, (one,), samples, decodes, counts)
+        return StepBatch(self.kind, rows, starts, (one,), samples, decodes, adapters, counts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +125,24 @@ class SampledStep:
 
 
 @dataclass(frozen=True, slots=True)
+class MixedStepLimits:
+    """What one mixed forward (an EXTEND batch of decodes beside prompt chunks) takes: at most
+    ``tokens`` tokens in all, every line ending before position ``end``, and the multi-token
+    chunks' attention (query, key) pairs, ``n * start + n * (n + 1) / 2`` each, within ``pairs``
+    (None: any). A step past them is cut by the scheduler into a DECODE and an EXTEND batch."""
+
+    tokens: int
+    pairs: int | None
+    end: int
+
+    def fits(self, starts: Sequence[int], lengths: Sequence[int]) -> bool:
+        spans = list(zip(starts, lengths, strict=True))
+        if sum(lengths) > self.tokens or max(s + n for s, n in spans) >= self.end:
+            return False
+        return self.pairs is None or sum(n * s + n * (n + 1) // 2 for s, n in spans if n > 1) <= self.pairs
+
+
+@dataclass(frozen=True, slots=True)
 class RunnerCapabilities:
     """What a runner can do and what it asks of the step; read once when the engine is built.
 
@@ -133,10 +158,22 @@ class RunnerCapabilities:
     puts the decodes before the step's new prompts, so a row being prefilled is never live during
     a decode and every running request steps in it.
     ``device_sampling``: the device draws the tokens (``forward_sampled``); None: logits only.
-    ``max_verify_tokens``: the most trailing positions of one EXTEND line whose logits ``forward``
-    returns (``StepBatch.logit_counts``), so speculative decoding may verify up to
-    ``max_verify_tokens - 1`` draft tokens per row in one forward; 0: the last position only, and
-    no speculation.
+    ``lora_slots``: how many LoRA adapters the runner holds at once (``set_adapter``; batches may
+    then carry ``StepBatch.adapters``); 0: no adapters (admission refuses a request for one).
+    ``lora_rank``: the largest adapter rank a slot holds.
+
+    What one forward takes, so that the scheduler cuts each step into batches the runner computes as
+    they come (a runner never splits or re-routes a batch): ``max_chunk_tokens``, the longest line
+    (None: any; prompts longer are split into chunks, which needs ``extend``); ``mixed_limits``,
+    what one mixed EXTEND batch holds (None: any step); ``prefill_as_extend``, new prompts go in
+    EXTEND batches from position 0 (a runner whose fast path is its extend graph), not PREFILL.
+
+    Speculative decoding: ``max_verify_tokens``, the most trailing positions of one EXTEND line
+    whose logits ``forward`` returns (``StepBatch.logit_counts``), so a row may verify up to
+    ``max_verify_tokens - 1`` draft tokens in one forward (0: the last position only, and no
+    speculation); ``mixed_verify``, a mixed EXTEND batch may carry such verify lines beside its
+    decodes and prompt chunks (its mixed forward returns all-position logits). Without it the
+    scheduler puts a step's verify lines in an EXTEND batch of their own.
     """
 
     extend: bool = False
@@ -144,13 +181,31 @@ class RunnerCapabilities:
     prompt_logits: bool = False
     live_rows_step_together: bool = False
     device_sampling: DeviceSampling | None = None
+    max_chunk_tokens: int | None = None
+    mixed_limits: MixedStepLimits | None = None
+    prefill_as_extend: bool = False
+    lora_slots: int = 0
+    lora_rank: int = 0
     max_verify_tokens: int = 0
+    mixed_verify: bool = False
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_slots > 0
 
     def __post_init__(self) -> None:
         if self.mixed_steps and not self.extend:
             raise ValueError("mixed_steps needs extend: a mixed step is one EXTEND batch")
+        if (self.max_chunk_tokens is not None or self.prefill_as_extend) and not self.extend:
+            raise ValueError("max_chunk_tokens and prefill_as_extend need extend: prompts go in chunks")
+        if self.max_chunk_tokens is not None and self.max_chunk_tokens < 1:
+            raise ValueError(f"max_chunk_tokens must be >= 1, got {self.max_chunk_tokens}")
+        if self.mixed_limits is not None and not self.mixed_steps:
+            raise ValueError("mixed_limits need mixed_steps")
         if self.max_verify_tokens and not self.extend:
             raise ValueError("max_verify_tokens needs extend: a verification is an EXTEND line")
+        if self.mixed_verify and not (self.mixed_steps and self.max_verify_tokens):
+            raise ValueError("mixed_verify needs mixed_steps and max_verify_tokens")
 
 
 class ModelRunner(Protocol):
@@ -164,8 +219,9 @@ class ModelRunner(Protocol):
     first ``n`` positions into another allocated row; ``prompt_logits`` (with
     ``capabilities.prompt_logits``) scores a prompt without touching any row; ``forward_sampled``
     (with ``capabilities.device_sampling``) computes the batch as ``forward`` does and draws line
-    ``i``'s token from ``sampling[i]`` on the device. Nothing above the runner knows bucket sizes or
-    tensor layouts.
+    ``i``'s token from ``sampling[i]`` on the device. ``set_adapter`` (with ``capabilities.lora``)
+    puts an adapter's weights into a slot (None clears it); the engine calls it only for a slot no
+    running line uses. Nothing above the runner knows bucket sizes or tensor layouts.
     """
 
     rows: RowTable
@@ -181,12 +237,15 @@ class ModelRunner(Protocol):
 
     def forward_sampled(self, batch: StepBatch, sampling: Sequence[LineSampling]) -> SampledStep: ...
 
+    def set_adapter(self, slot: int, adapter: Any) -> None: ...
+
 
 class ForwardByKind:
     """``forward`` for a runner written as ``prefill``/``decode`` (and ``extend``) methods: a batch
     goes to the method of its kind. An EXTEND batch first sets each row's length to its line's
-    start, which makes it idempotent (a failed batch is retried line by line). A batch with
-    ``logit_counts`` goes to ``verify`` (only where ``capabilities.max_verify_tokens``)."""
+    start, which makes it idempotent (a failed batch is retried line by line). An EXTEND batch with
+    ``logit_counts`` goes whole to ``verify`` (only where ``capabilities.max_verify_tokens``); the
+    scheduler has already put its lines where the runner's capabilities say they go."""
 
     # What the subclass defines (annotations only, so a delegating wrapper's ``__getattr__`` still
     # answers for them); ``extend`` only where ``capabilities.extend``, ``verify`` only where

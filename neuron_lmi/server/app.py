@@ -22,7 +22,7 @@ from starlette.responses import Response
 import neuron_lmi
 from neuron_lmi.engine.protocol import Engine
 from neuron_lmi.engine.types import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from neuron_lmi.server import routes_lmi, routes_openai, routes_ops
+from neuron_lmi.server import routes_adapters, routes_lmi, routes_openai, routes_ops
 from neuron_lmi.server.context import ServerContext, make_context
 from neuron_lmi.server.errors import ApiError, error_response, family_for_path, from_engine_error, invalid
 from neuron_lmi.server.middleware import GuardMiddleware
@@ -99,7 +99,7 @@ def create_app(engine: Engine, options: AppOptions | None = None) -> FastAPI:
 
     app = FastAPI(title="neuron-lmi", version=neuron_lmi.__version__, lifespan=lifespan)
     app.state.ctx = ctx
-    for router in (routes_ops.router, routes_openai.router, routes_lmi.router):
+    for router in (routes_ops.router, routes_openai.router, routes_lmi.router, routes_adapters.router):
         app.include_router(router)
     _install_error_handlers(app)
     install_openapi(app)

@@ -20,7 +20,12 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
 
-from neuron_lmi.engine.types import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from neuron_lmi.engine.types import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    UnknownAdapterError,
+)
 
 Family = Literal["openai", "invocations", "tgi", "lmi"]
 ErrorKind = Literal[
@@ -106,6 +111,7 @@ def engine_field(field: str | None, family: Family, path: str = "") -> str | Non
             "prompt_logprobs": "logprobs",
             "inputs": "messages" if chat else "prompt",
             "grammar": "response_format",
+            "adapter": "model",
         }
         return names.get(field, field)
     return field if field == "inputs" else f"parameters.{field}"
@@ -115,6 +121,8 @@ def from_engine_error(exc: Exception, family: Family, path: str = "") -> ApiErro
     """Map the engine boundary's exceptions onto HTTP: overload is 429 for OpenAI, 503 elsewhere."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, UnknownAdapterError):  # OpenAI: the model does not exist (as vLLM answers)
+        return ApiError(404, str(exc), engine_field(exc.field, family, path), "not_found")
     if isinstance(exc, InvalidRequestError):
         field = engine_field(exc.field, family, path)
         message = str(exc)

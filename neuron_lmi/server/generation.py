@@ -21,7 +21,13 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from neuron_lmi.engine.protocol import Engine
-from neuron_lmi.engine.types import FinishReason, InvalidRequestError, SamplingParams, TokenEvent
+from neuron_lmi.engine.types import (
+    FinishReason,
+    InvalidRequestError,
+    SamplingParams,
+    TokenEvent,
+    UnknownAdapterError,
+)
 from neuron_lmi.server.errors import ApiError
 from neuron_lmi.server.metrics import ServerMetrics
 
@@ -153,6 +159,8 @@ async def open_streams(
                 name = (renames or {}).get(exc.field or "")
                 if name is None:
                     raise
+                if isinstance(exc, UnknownAdapterError):
+                    raise UnknownAdapterError(exc.adapter, name) from None
                 raise InvalidRequestError(str(exc).replace(exc.field or "", name, 1), name) from None
             streams.append(TokenStream(engine, metrics, engine.generate(valid), rid))
         await (until_disconnect(client, _prime_all(streams)) if client is not None else _prime_all(streams))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -201,8 +202,14 @@ async def _start(
     stream = req.stream or force_stream
     params: SamplingParams = to_sampling(req.parameters, family, stream)
     prompts = [_prompt_for(ctx, text, req.parameters.truncate) for text in inputs]
-    jobs = [(prompt, params) for prompt in prompts for _ in range(req.parameters.best_of or 1)]
-    streams = await open_streams(ctx.engine, ctx.metrics, jobs, "lmi", client=request)
+    adapters, adapter_field = req.adapter_list(len(prompts), family)
+    jobs = [
+        (prompt, dataclasses.replace(params, adapter=adapter) if adapter else params)
+        for prompt, adapter in zip(prompts, adapters, strict=True)
+        for _ in range(req.parameters.best_of or 1)
+    ]
+    renames = {"adapter": adapter_field}
+    streams = await open_streams(ctx.engine, ctx.metrics, jobs, "lmi", renames, client=request)
     return ctx, req, inputs, streams
 
 

@@ -40,6 +40,7 @@ from neuron_lmi.server.generation import (
     until_disconnect,
 )
 from neuron_lmi.server.reasoning import ReasoningChoiceStream, reasoning_message, with_think_block
+from neuron_lmi.server.routes_adapters import adapter_cards, adapter_for
 from neuron_lmi.server.schemas_lmi import finish_name
 from neuron_lmi.server.schemas_openai import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -69,14 +70,20 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _check_model(ctx: ServerContext, model: str | None) -> None:
-    if model is not None and model not in (ctx.model_name, ctx.engine.model_name, TGI_MODEL):
+def _check_model(request: Request, model: str | None) -> str | None:
+    """The LoRA adapter ``model`` names (None: the base model); 404 naming ``model`` otherwise."""
+    ctx = ctx_of(request)
+    if model is None or model in (ctx.model_name, ctx.engine.model_name, TGI_MODEL):
+        return None
+    adapter = adapter_for(request, model)
+    if adapter is None:
         raise ApiError(
             404,
             f"the model {model!r} does not exist; this server serves {ctx.model_name!r}",
             "model",
             "not_found",
         )
+    return adapter
 
 
 def _fan_out(prompts: Sequence[str | list[int]], params: SamplingParams, n: int) -> list[Any]:
@@ -196,11 +203,11 @@ async def completions(request: Request) -> Response:
     ``echo`` prepends the prompt (scored, with ``logprobs``); ``best_of`` keeps the best ``n``."""
     ctx = ctx_of(request)
     req = parse_body(await request.body(), CompletionRequest, "openai")
-    _check_model(ctx, req.model)
+    adapter = _check_model(request, req.model)
     prompts = _completion_prompts(ctx, req)
     prompt_only = req.scores_prompt_only()
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else max(req.max_tokens, 1)
-    params = to_sampling(req, max_tokens, req.logprobs or 0)
+    params = dataclasses.replace(to_sampling(req, max_tokens, req.logprobs or 0), adapter=adapter)
     per_prompt = max(req.n, req.best_of or 1)
     if per_prompt > req.n:  # candidates are ranked by their log-probabilities
         params = dataclasses.replace(params, logprobs=True)
@@ -215,7 +222,7 @@ async def completions(request: Request) -> Response:
         "id": new_request_id("cmpl"),
         "object": "text_completion",
         "created": int(time.time()),
-        "model": ctx.model_name,
+        "model": adapter or ctx.model_name,
         "system_fingerprint": f"neuron-lmi-{ctx.engine.backend_name}",
     }
     offsets = [len(texts[i // req.n]) if req.echo else 0 for i in range(len(streams))]
@@ -270,7 +277,7 @@ async def chat_completions(request: Request) -> Response:
     """OpenAI chat: the prompt is the tokenizer's chat template with a generation prompt."""
     ctx = ctx_of(request)
     req = parse_body(await request.body(), ChatRequest, "openai")
-    _check_model(ctx, req.model)
+    adapter = _check_model(request, req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("openai", "top_logprobs requires logprobs: true", "top_logprobs")
     plan = plan_tools(ctx.options, ctx.tokenizer, req)
@@ -280,6 +287,7 @@ async def chat_completions(request: Request) -> Response:
     params = to_sampling(req, _chat_max_tokens(ctx, req, len(ids)), top_n)
     params = with_tool_grammar(params, plan)
     params = with_think_block(params, ctx.reasoning)  # a grammar constrains the answer, not the thinking
+    params = dataclasses.replace(params, adapter=adapter)
     # A refused max_new_tokens is the field the client set.
     renames = {"max_new_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else None
     jobs = _fan_out([ids], params, req.n)
@@ -287,7 +295,7 @@ async def chat_completions(request: Request) -> Response:
     head = {
         "id": new_request_id("chatcmpl"),
         "created": int(time.time()),
-        "model": ctx.model_name,
+        "model": adapter or ctx.model_name,
         "system_fingerprint": f"neuron-lmi-{ctx.engine.backend_name}",
     }
 
@@ -348,4 +356,4 @@ async def models(request: Request) -> dict[str, Any]:
         "owned_by": "neuron-lmi",
         "max_model_len": ctx.engine.n_positions,
     }
-    return {"object": "list", "data": [card]}
+    return {"object": "list", "data": [card, *adapter_cards(request, ctx.created)]}

@@ -90,6 +90,9 @@ class LmiParameters(RequestModel):
         default=None, description="Constrain the output: a JSON Schema (type json) or a regex (type regex)."
     )
     ignore_eos: bool = False
+    # LoRA: LMI's adapter per input (one name, or one per input of a list), TGI's adapter_id.
+    adapters: str | list[str] | None = None
+    adapter_id: str | None = None
 
 
 class LmiRequest(RequestModel):
@@ -98,6 +101,24 @@ class LmiRequest(RequestModel):
     inputs: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
     parameters: LmiParameters = LmiParameters()
     stream: bool = False
+    # LMI also takes the adapters beside ``inputs`` (as parameters.adapters).
+    adapters: str | list[str] | None = None
+
+    def adapter_list(self, n_inputs: int, family: Family) -> tuple[list[str | None], str]:
+        """The adapter of each of ``n_inputs`` inputs (None: the base model) and the field that
+        named them (TGI's ``parameters.adapter_id``, LMI's ``parameters.adapters`` or ``adapters``);
+        a list must name one adapter per input."""
+        p = self.parameters
+        if p.adapter_id is not None:
+            return [p.adapter_id or None] * n_inputs, "parameters.adapter_id"
+        given, field = (
+            (p.adapters, "parameters.adapters") if p.adapters is not None else (self.adapters, "adapters")
+        )
+        if isinstance(given, list):
+            if len(given) != n_inputs:
+                raise invalid(family, f"{field} lists {len(given)} names for {n_inputs} inputs", field)
+            return [a or None for a in given], field
+        return [given or None] * n_inputs, field
 
     def input_list(self, family: Family) -> list[str]:
         """The prompts, refusing an empty list or an empty prompt by name."""

@@ -177,6 +177,9 @@ class ModelCard(_Doc):
     created: int
     owned_by: str
     max_model_len: int
+    # A LoRA adapter's card: the base model it adapts, and where the adapter was read from.
+    parent: str | None = None
+    root: str | None = None
 
 
 class ModelList(_Doc):

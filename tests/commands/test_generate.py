@@ -9,8 +9,6 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-import pytest
-
 from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.engine.types import SamplingParams
 
@@ -60,22 +58,23 @@ def test_bad_input_exits_non_zero_with_a_message(tiny_llama_dir: Path, tmp_path:
     assert broken.returncode != 0 and "broken.gguf" in broken.stderr
 
 
-@pytest.fixture()
-def properties(tiny_llama_dir: Path, tmp_path: Path) -> Path:
-    path = tmp_path / "serving.properties"
-    keys = [f"option.model_id={tiny_llama_dir}", "option.max_rolling_batch_size=3", "option.dtype=fp32"]
-    path.write_text("\n".join([*keys, "option.enforce_eager=true", ""]))
-    return path
-
-
-def test_serving_properties_and_environment_configure_it_as_serve(properties: Path) -> None:
+def test_serving_properties_and_environment_configure_it_as_serve(tiny_llama_properties: Path) -> None:
     """serving.properties wins over the environment (LMI's order): its 3 rows, the environment's
     positions; a flag wins over both. The engine's start-up line on stderr says what it runs."""
     env = {"OPTION_MAX_ROLLING_BATCH_SIZE": "5", "OPTION_N_POSITIONS": "96"}
-    done = cli("--properties", str(properties), "--max-new-tokens", "2", "hi", env=env)
+    done = cli("--properties", str(tiny_llama_properties), "--max-new-tokens", "2", "hi", env=env)
     assert done.returncode == 0, done.stderr
     assert "3 rows x 96 positions (configured), dtype fp32" in done.stderr
-    told = cli("--properties", str(properties), "--n-positions", "64", "--max-new-tokens", "2", "hi", env=env)
+    told = cli(
+        "--properties",
+        str(tiny_llama_properties),
+        "--n-positions",
+        "64",
+        "--max-new-tokens",
+        "2",
+        "hi",
+        env=env,
+    )
     assert told.returncode == 0 and "3 rows x 64 positions" in told.stderr
 
 
@@ -87,6 +86,6 @@ def test_one_row_unless_a_source_sets_the_rows(tiny_llama_dir: Path) -> None:
     assert rows.returncode == 0 and "2 rows x 80 positions" in rows.stderr, rows.stderr
 
 
-def test_a_bad_configuration_value_is_named(properties: Path) -> None:
-    bad = cli("--properties", str(properties), "hi", env={"OPTION_N_POSITIONS": "0"})
+def test_a_bad_configuration_value_is_named(tiny_llama_properties: Path) -> None:
+    bad = cli("--properties", str(tiny_llama_properties), "hi", env={"OPTION_N_POSITIONS": "0"})
     assert bad.returncode == 2 and "OPTION_N_POSITIONS" in bad.stderr and bad.stdout == ""

@@ -80,7 +80,8 @@ def test_a_prompt_longer_than_the_largest_bucket_is_prefilled_in_chunks(tiny_llm
     assert runner.context_buckets[-1] == 32
     prompt = random_prompts([100], seed=33)[0]
     ref_ids, ref_logprobs = hf_greedy(hf_tiny_llama, prompt, GREEDY.max_new_tokens)
-    for prefill in (WholePrompts(4096), ChunkedPrefill(64, 16)):  # runner-side and engine-side chunks
+    assert runner.capabilities.max_chunk_tokens == 32  # the scheduler cuts the prompt, whatever the policy
+    for prefill in (WholePrompts(4096), ChunkedPrefill(64, 16)):
         core = core_on(tiny_llm, runner, prefill=prefill, prefix_reuse=False)
         (result,) = LLM.from_core(core).generate([prompt], GREEDY)
         assert result.token_ids == ref_ids

@@ -9,10 +9,10 @@ from cache_api import RowTable
 from neuron_lmi.config.speculative import SpeculativeConfig
 from neuron_lmi.engine.prefix import PrefixHit, PrefixIndex, common_prefix
 from neuron_lmi.engine.request import Request, Status
-from neuron_lmi.engine.scheduler import ChunkedPrefill, Scheduler, WholePrompts
-from neuron_lmi.engine.speculation import Speculator
+from neuron_lmi.engine.scheduler import ChunkedPrefill, Scheduler, StepPlan, WholePrompts
+from neuron_lmi.engine.speculation import Speculator, check_speculation, verify_tokens
 from neuron_lmi.engine.types import SamplingParams
-from neuron_lmi.runners.base import BatchKind, RunnerCapabilities
+from neuron_lmi.runners.base import BatchKind, MixedStepLimits, RunnerCapabilities
 
 
 def req(name: str, n_prompt: int) -> Request:
@@ -173,6 +173,21 @@ def place_decoding(sched: Scheduler, rows: RowTable, request: Request, n_out: in
     rows.set_length(request.row, len(request.prompt_ids) + n_out - 1)
 
 
+def decode_continue_and_admit(capabilities: RunnerCapabilities) -> tuple[StepPlan, Request, Request]:
+    """A step holding all three kinds of line: ``a`` decodes, ``b`` (60 tokens: 47 in the first step
+    of 48) continues its prompt, ``c`` (5 tokens) is new. Returns that step's plan, ``b`` and ``c``."""
+    sched, rows = stepping(capabilities, step_tokens=48)
+    a = req("a", 10)
+    place_decoding(sched, rows, a)
+    b = req("b", 60)
+    sched.add(b)
+    sched.next_step()
+    rows.set_length(b.row, 47)
+    c = req("c", 5)
+    sched.add(c)
+    return sched.next_step(), b, c
+
+
 def test_a_mixed_steps_runner_gets_the_step_as_one_extend_batch_decodes_as_one_token_lines():
     sched, rows = stepping(RunnerCapabilities(extend=True, mixed_steps=True))
     a = req("a", 10)
@@ -190,16 +205,7 @@ def test_a_mixed_steps_runner_gets_the_step_as_one_extend_batch_decodes_as_one_t
 @pytest.mark.parametrize("decode_first", [False, True])
 def test_a_runner_without_mixed_steps_gets_one_batch_per_kind(decode_first: bool):
     capabilities = RunnerCapabilities(extend=True, live_rows_step_together=decode_first)
-    sched, rows = stepping(capabilities, step_tokens=48)
-    a = req("a", 10)
-    place_decoding(sched, rows, a)
-    b = req("b", 60)  # 47 tokens in the first step, the last 13 in the second
-    sched.add(b)
-    sched.next_step()
-    rows.set_length(b.row, 47)
-    c = req("c", 5)
-    sched.add(c)
-    plan = sched.next_step()
+    plan, _, c = decode_continue_and_admit(capabilities)
     kinds = [batch.kind for batch, _ in plan.batches]
     expected = [BatchKind.PREFILL, BatchKind.EXTEND, BatchKind.DECODE]
     assert kinds == ([BatchKind.DECODE, *expected[:2]] if decode_first else expected)
@@ -215,16 +221,28 @@ def repeating_req(name: str) -> Request:
     return Request(name, [1, 2, 3, 4] * 3, SamplingParams(max_new_tokens=50), None)
 
 
-@pytest.mark.parametrize("mixed", [False, True])
-def test_speculative_decodes_verify_their_drafts_in_an_extend_batch(mixed: bool):
-    capabilities = RunnerCapabilities(extend=True, mixed_steps=mixed, max_verify_tokens=16)
+def speculating(capabilities: RunnerCapabilities) -> tuple[Scheduler, RowTable, Request, Request]:
+    """A scheduler whose step holds a decode with a 3-token draft (``drafting``: [1, 2, 3, 4] from
+    position 12) and a plain decode (``plain``: its ids never recur)."""
     rows = RowTable(4, 256)
-    speculator = Speculator(SpeculativeConfig("ngram", 3, 1, 2), 16, 256)
-    sched = Scheduler(4096, ChunkedPrefill(64, 8), None, rows, capabilities, speculator)
+    speculator = Speculator(SpeculativeConfig("ngram", 3, 1, 2), verify_tokens(capabilities), 256)
+    sched = Scheduler(4096, ChunkedPrefill(64, 8), None, rows, capabilities, speculator=speculator)
     drafting, plain = repeating_req("drafting"), req("plain", 6)  # 0..5: nothing recurs
     place_decoding(sched, rows, drafting, n_out=1)  # ids ... 3, 4, 7: [7] never occurred
     drafting.output_ids[-1] = 1  # ids ... 3, 4, 1: after the earliest [4, 1] come 2, 3, 4
     place_decoding(sched, rows, plain, n_out=1)
+    return sched, rows, drafting, plain
+
+
+@pytest.mark.parametrize("mixed", ["apart", "mixed", "mixed_verify"])
+def test_speculative_decodes_verify_their_drafts_in_an_extend_batch(mixed: str):
+    """A verify line rides in the mixed batch only where the runner's mixed forward returns the
+    logits of all its positions (``mixed_verify``); otherwise the step's verify lines are an EXTEND
+    batch of their own, after the plain decodes (a DECODE batch, or the mixed EXTEND batch)."""
+    capabilities = RunnerCapabilities(
+        extend=True, mixed_steps=mixed != "apart", max_verify_tokens=16, mixed_verify=mixed == "mixed_verify"
+    )
+    sched, _, drafting, plain = speculating(capabilities)
     plan = sched.next_step()
     assert plan.decision.drafts == {drafting: (2, 3, 4)}
     verifying = [(b, r) for b, r in plan.batches if b.logit_counts]
@@ -232,18 +250,77 @@ def test_speculative_decodes_verify_their_drafts_in_an_extend_batch(mixed: bool)
     assert batch.kind is BatchKind.EXTEND
     line = requests.index(drafting)
     assert batch.chunks[line] == (1, 2, 3, 4) and batch.starts[line] == 12 and batch.logit_counts[line] == 4
-    if mixed:  # one batch: the plain decode wants its last position only
+    kinds = [b.kind for b, _ in plan.batches]
+    if mixed == "mixed_verify":  # one batch: the plain decode wants its last position only
+        assert len(plan.batches) == 1
         assert requests == [drafting, plain] and batch.logit_counts == (4, 1) and batch.decodes == 2
-    else:  # the plain decode keeps its DECODE batch
-        assert [b.kind for b, _ in plan.batches] == [BatchKind.DECODE, BatchKind.EXTEND]
-        assert requests == [drafting] and batch.decodes == 1
+        return
+    assert requests == [drafting] and batch.logit_counts == (4,) and batch.decodes == 1
+    assert plan.batches[-1][0] is batch  # the verify lines come last
+    (first, firsts), _ = plan.batches
+    assert firsts == [plain] and first.chunks == ((7,),) and not first.logit_counts
+    assert kinds == [BatchKind.DECODE if mixed == "apart" else BatchKind.EXTEND, BatchKind.EXTEND]
+
+
+def test_verify_lines_in_a_mixed_step_keep_to_its_limits():
+    """With ``mixed_verify``, a verify line counts in ``mixed_limits`` like a prompt chunk (its
+    tokens and attention pairs): a step that fits is one batch; past them the plain decodes come as
+    a DECODE batch, the verify lines as an EXTEND batch, then the prompt chunks."""
+    limits = MixedStepLimits(tokens=12, pairs=None, end=256)
+    capabilities = RunnerCapabilities(
+        extend=True,
+        mixed_steps=True,
+        mixed_limits=limits,
+        prefill_as_extend=True,
+        max_verify_tokens=16,
+        mixed_verify=True,
+    )
+    sched, rows, drafting, plain = speculating(capabilities)
+    small = req("small", 7)  # 7 + 4 + 1 = 12 tokens: one forward
+    sched.add(small)
+    ((batch, requests),) = sched.next_step().batches
+    assert requests == [small, drafting, plain] and batch.logit_counts == (1, 4, 1)
+    assert batch.decodes == 2
+    rows.set_length(drafting.row, 13)  # what the engine leaves once [2] is rejected
+    drafting.output_ids.append(2)  # ids ... 3, 4, 1, 2: a draft again, [3, 4, 1]
+    plain.output_ids.append(8)
+    small.output_ids.append(9)
+    rows.set_length(small.row, 7)
+    rows.set_length(plain.row, len(plain.all_ids) - 1)
+    big = req("big", 8)  # 8 + 4 + 1 + 1 (small's first decode) = 14 tokens: past the limit
+    sched.add(big)
+    plan = sched.next_step()
+    assert [b.kind for b, _ in plan.batches] == [BatchKind.DECODE, BatchKind.EXTEND, BatchKind.EXTEND]
+    (decode, decoders), (verify, verifiers), (chunk, chunked) = plan.batches
+    assert set(decoders) == {plain, small} and decode.decodes == 2 and not decode.logit_counts
+    assert verifiers == [drafting] and verify.chunks == ((2, 3, 4, 1),) and verify.logit_counts == (4,)
+    assert chunked == [big] and not chunk.logit_counts and chunk.decodes == 0
+
+
+def test_a_draft_is_no_longer_than_one_forward_takes():
+    """``verify_tokens``: a verify line is within both ``max_verify_tokens`` and ``max_chunk_tokens``,
+    and speculation asking for more is refused at start-up, naming the key."""
+    capabilities = RunnerCapabilities(extend=True, max_chunk_tokens=3, max_verify_tokens=16)
+    assert verify_tokens(capabilities) == 3
+    rows = RowTable(2, 256)
+    speculator = Speculator(SpeculativeConfig("ngram", 3, 1, 2), verify_tokens(capabilities), 256)
+    sched = Scheduler(4096, ChunkedPrefill(64, 8), None, rows, capabilities, speculator=speculator)
+    drafting = repeating_req("drafting")
+    sched.add(drafting)
+    while not drafting.prompt_done:  # in 3-token chunks
+        sched.next_step()
+    rows.set_length(drafting.row, 12)
+    drafting.output_ids.append(1)  # ids ... 3, 4, 1: the lookup finds 2, 3, 4; 2 of them fit
+    assert sched.next_step().decision.drafts == {drafting: (2, 3)}
+    with pytest.raises(ValueError, match=r"speculative_config.*verifies at most 2"):
+        check_speculation(SpeculativeConfig("ngram", 3, 1, 2), capabilities, "R")
 
 
 def test_a_draft_never_runs_past_the_rows_positions_or_the_requests_tokens():
     rows = RowTable(2, 16)
     capabilities = RunnerCapabilities(extend=True, max_verify_tokens=16)
     speculator = Speculator(SpeculativeConfig("ngram", 8, 1, 2), 16, 16)
-    sched = Scheduler(4096, ChunkedPrefill(64, 8), None, rows, capabilities, speculator)
+    sched = Scheduler(4096, ChunkedPrefill(64, 8), None, rows, capabilities, speculator=speculator)
     near_end = repeating_req("near_end")  # 12 prompt ids + 1 output in a 16-position row
     place_decoding(sched, rows, near_end, n_out=1)
     near_end.output_ids[-1] = 1
@@ -289,3 +366,58 @@ def test_a_failed_placement_is_reported_not_raised():
 def test_capabilities_refuse_mixed_steps_without_extend():
     with pytest.raises(ValueError, match="mixed_steps needs extend"):
         RunnerCapabilities(mixed_steps=True)
+    with pytest.raises(ValueError, match="need extend"):
+        RunnerCapabilities(max_chunk_tokens=16)
+    with pytest.raises(ValueError, match="need extend"):
+        RunnerCapabilities(prefill_as_extend=True)
+    with pytest.raises(ValueError, match="need mixed_steps"):
+        RunnerCapabilities(extend=True, mixed_limits=MixedStepLimits(8, None, 256))
+    with pytest.raises(ValueError, match="mixed_verify needs mixed_steps and max_verify_tokens"):
+        RunnerCapabilities(extend=True, mixed_steps=True, mixed_verify=True)
+
+
+def test_no_line_is_longer_than_one_forward_takes_whatever_the_policy():
+    """``max_chunk_tokens``: a prompt past it goes on in later steps' chunks, under ChunkedPrefill
+    and under WholePrompts alike, so the runner never cuts a line."""
+    capabilities = RunnerCapabilities(extend=True, max_chunk_tokens=40)
+    for policy in (ChunkedPrefill(step_tokens=64, min_chunk=8), WholePrompts(4096)):
+        sched = Scheduler(4096, prefill=policy, rows=RowTable(4, 256), capabilities=capabilities)
+        a = req("a", 100)
+        sched.add(a)
+        spans = []
+        while not a.prompt_done:
+            plan = sched.next_step()
+            spans += [(batch.starts[0], len(batch.chunks[0])) for batch, _ in plan.batches]
+        assert spans == [(0, 40), (40, 40), (80, 20)]
+
+
+def test_a_mixed_step_past_the_runners_limits_comes_as_decodes_then_chunks():
+    """``mixed_limits``: a step that fits is one EXTEND batch; one that does not is cut by the
+    scheduler into a DECODE batch and an EXTEND batch, so the runner does not re-route lines."""
+    limits = MixedStepLimits(tokens=30, pairs=None, end=256)
+    mixed = RunnerCapabilities(extend=True, mixed_steps=True, mixed_limits=limits, prefill_as_extend=True)
+    sched, rows = stepping(mixed)
+    a = req("a", 10)
+    place_decoding(sched, rows, a, n_out=3)
+    small = req("small", 20)  # 20 + 1 decode <= 30: one forward
+    sched.add(small)
+    ((batch, requests),) = sched.next_step().batches
+    assert batch.kind is BatchKind.EXTEND and requests == [small, a] and batch.decodes == 1
+    rows.set_length(small.row, 20)
+    big = req("big", 60)  # 60 tokens (the step's budget less the decodes) do not fit
+    sched.add(big)
+    plan = sched.next_step()
+    assert [batch.kind for batch, _ in plan.batches] == [BatchKind.DECODE, BatchKind.EXTEND]
+    (decode, decoders), (chunk, chunked) = plan.batches
+    assert set(decoders) == {a, small} and decode.decodes == 2
+    assert chunked == [big] and chunk.starts == (0,) and chunk.decodes == 0
+    assert limits.fits([0, 12], [29, 1]) and not limits.fits([0, 12], [30, 1])
+    assert not MixedStepLimits(tokens=30, pairs=None, end=13).fits([12], [1])  # the cache's last slot
+    assert not MixedStepLimits(tokens=99, pairs=100, end=256).fits([10, 3], [8, 1])  # 8 * 10 + 36 pairs
+
+
+def test_prefill_as_extend_sends_new_prompts_in_the_extend_batch():
+    plan, b, c = decode_continue_and_admit(RunnerCapabilities(extend=True, prefill_as_extend=True))
+    assert [batch.kind for batch, _ in plan.batches] == [BatchKind.EXTEND, BatchKind.DECODE]
+    extend, requests = plan.batches[0]
+    assert requests == [b, c] and extend.starts == (47, 0)

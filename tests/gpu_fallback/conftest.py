@@ -6,10 +6,15 @@ Everything here skips (with the reason) where ``import vllm`` fails, as in the m
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from gpu_fallback.config import VllmEngineConfig, vllm_config_from_resolved
+from neuron_lmi.config.loader import load_config
 
 # vLLM's CPU engine computes on one core unless told to bind all of them; the KV cache is sized
 # explicitly so that it fits beside the other test processes.
@@ -174,3 +179,12 @@ def vllm_server(vllm_env, smollm2_safetensors: Path, tmp_path_factory: pytest.Te
     server = start_vllm_server(vllm_env, smollm2_safetensors, tmp_path_factory.mktemp("vllm_server"), args)
     yield server
     stop_vllm_server(server)
+
+
+def engine_config(model: str, /, **changes: Any) -> VllmEngineConfig:
+    """The vLLM engine configuration ``serve`` resolves for ``model`` from no other source (LMI on
+    vLLM's defaults), with ``changes``: ``VllmEngineConfig`` has no defaults of its own. No engine
+    argument passes through, so vLLM's own field types are not read (the main environment has none)."""
+    resolved = load_config({"model_id": model}, None, {})
+    config = vllm_config_from_resolved(resolved, model, None, fields={})
+    return dataclasses.replace(config, **changes)

@@ -9,7 +9,6 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from gpu_fallback.config import VllmEngineConfig
 from gpu_fallback.engine import VllmEngine
 from neuron_lmi.engine.protocol import Engine
 from neuron_lmi.engine.types import (
@@ -19,6 +18,7 @@ from neuron_lmi.engine.types import (
     InvalidRequestError,
     SamplingParams,
 )
+from tests.gpu_fallback.conftest import engine_config
 
 
 class FakeDead(Exception):
@@ -134,7 +134,7 @@ class FakeBackend:
 async def engine(tiny_llama_dir):
     backend = FakeBackend()
     eng = VllmEngine(
-        VllmEngineConfig(model=str(tiny_llama_dir), max_rolling_batch_size=2, max_queue_size=1),
+        engine_config(str(tiny_llama_dir), max_rolling_batch_size=2, max_queue_size=1),
         backend=backend,
     )
     await eng.start()
@@ -216,7 +216,7 @@ async def test_stop_refuses_new_requests(engine) -> None:
 
 def test_tokenizer_and_n_positions_before_start(tiny_llama_dir) -> None:
     # The server builds its context (tokenizer, special ids) before the engine starts.
-    eng = VllmEngine(VllmEngineConfig(model=str(tiny_llama_dir)), backend=FakeBackend())
+    eng = VllmEngine(engine_config(str(tiny_llama_dir)), backend=FakeBackend())
     assert eng.tokenizer.encode("hello") and eng.n_positions == 512
     assert not eng.stats().alive and eng.stats().rows_used == 0
 
@@ -311,10 +311,8 @@ def test_vllm_metrics_are_served_beside_ours(tiny_llama_dir) -> None:
 
             return [Own()]
 
-    text = generate_latest(
-        ServerMetrics(Engine(VllmEngineConfig(model=str(tiny_llama_dir)))).registry
-    ).decode()
+    text = generate_latest(ServerMetrics(Engine(engine_config(str(tiny_llama_dir)))).registry).decode()
     assert "vllm:num_requests_running 3.0" in text and "neuron_lmi_kv_rows_used" in text
     # Without vLLM imported (the main environment) the real collector yields nothing and imports nothing.
-    real = ServerMetrics(VllmEngine(VllmEngineConfig(model=str(tiny_llama_dir))))
+    real = ServerMetrics(VllmEngine(engine_config(str(tiny_llama_dir))))
     assert "vllm:" not in generate_latest(real.registry).decode()

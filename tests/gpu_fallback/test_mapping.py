@@ -8,9 +8,10 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from gpu_fallback.config import VllmEngineConfig, engine_args_kwargs, load_chat_template
+from gpu_fallback.config import engine_args_kwargs, load_chat_template
 from gpu_fallback.mapping import NO_TOKEN_ID, delta_to_events, map_finish_reason, sampling_kwargs, top_tokens
 from neuron_lmi.engine.types import FinishReason, SamplingParams, StopText
+from tests.gpu_fallback.conftest import engine_config
 
 
 def test_importing_gpu_fallback_does_not_import_vllm() -> None:
@@ -131,8 +132,8 @@ def test_stop_string_final_delta() -> None:
 
 
 def test_engine_args_mapping(tmp_path) -> None:
-    cfg = VllmEngineConfig(
-        model="ignored-by-args",
+    cfg = engine_config(
+        "ignored-by-args",
         tensor_parallel_degree=2,
         max_rolling_batch_size=16,
         n_positions=2048,
@@ -145,7 +146,7 @@ def test_engine_args_mapping(tmp_path) -> None:
     assert kw["tensor_parallel_size"] == 2 and kw["max_num_seqs"] == 16 and kw["max_model_len"] == 2048
     assert kw["dtype"] == "bfloat16" and kw["enforce_eager"] is True and kw["gpu_memory_utilization"] == 0.8
     assert "served_model_name" not in kw  # None is left to vLLM's default
-    tp_max = VllmEngineConfig(model="m", tensor_parallel_degree="max", dtype="fp32")
+    tp_max = engine_config("m", tensor_parallel_degree="max", dtype="fp32")
     assert engine_args_kwargs(tp_max, tmp_path, device_count=4)["tensor_parallel_size"] == 4
     assert engine_args_kwargs(tp_max, tmp_path)["dtype"] == "float32"
     assert "max_model_len" not in engine_args_kwargs(tp_max, tmp_path)
@@ -154,17 +155,17 @@ def test_engine_args_mapping(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"model": "m", "tensor_parallel_degree": 0}, "tensor_parallel_degree"),
-        ({"model": "m", "dtype": "int3"}, "dtype"),
-        ({"model": "m", "gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
-        ({"model": "m", "max_rolling_batch_size": 0}, "max_rolling_batch_size"),
+        ({"tensor_parallel_degree": 0}, "tensor_parallel_degree"),
+        ({"dtype": "int3"}, "dtype"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"max_rolling_batch_size": 0}, "max_rolling_batch_size"),
         ({"model": ""}, "model"),
     ],
 )
 def test_config_errors_name_the_field(fields, message) -> None:
     """The Python API's own checks; from LMI keys, the loader names the key (test_vllm_config.py)."""
     with pytest.raises(ValueError, match=message):
-        VllmEngineConfig(**fields)
+        engine_config("m", **fields)
 
 
 def test_chat_template_inline_or_file(tmp_path) -> None:

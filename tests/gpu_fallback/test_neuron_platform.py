@@ -17,6 +17,7 @@ from gpu_fallback.neuron_platform import (
 )
 from neuron_lmi.backends import registry
 from neuron_lmi.config import load_config
+from tests.gpu_fallback.conftest import engine_config
 
 VERSIONS = {
     "vllm": "0.11.0",
@@ -27,8 +28,8 @@ VERSIONS = {
 
 
 def _config(**changes) -> VllmEngineConfig:
-    return VllmEngineConfig(
-        model="/models/llama",
+    return engine_config(
+        "/models/llama",
         tensor_parallel_degree=32,
         max_rolling_batch_size=8,
         n_positions=4096,

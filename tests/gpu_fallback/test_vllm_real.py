@@ -14,7 +14,7 @@ import math
 import pytest
 import pytest_asyncio
 
-from tests.gpu_fallback.conftest import vllm_skip_reason
+from tests.gpu_fallback.conftest import engine_config, vllm_skip_reason
 
 _reason = vllm_skip_reason()
 pytestmark = [
@@ -34,12 +34,11 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def engine(vllm_env, smollm2_safetensors):
-    from gpu_fallback.config import VllmEngineConfig
     from gpu_fallback.engine import VllmEngine
 
     eng = VllmEngine(
-        VllmEngineConfig(
-            model=str(smollm2_safetensors),
+        engine_config(
+            str(smollm2_safetensors),
             served_model_name="smollm2",
             max_rolling_batch_size=8,
             n_positions=512,

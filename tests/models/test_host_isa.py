@@ -10,9 +10,9 @@ from tests.compile_cache.conftest import make_inputs
 from tests.models.conftest import run_fresh
 
 ASKED_BY_KERNELS = """
-from neuron_lmi.models import host_isa, native
+from neuron_lmi.models import host_isa, ops
 before = host_isa._amx
-native.kernels()
+ops.kernels()
 print(before, host_isa._amx)
 """
 

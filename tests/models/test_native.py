@@ -1,6 +1,7 @@
-"""``models.native``: the kernel library's build on a thread, and what may go on beside it. Tracing
-a graph needs the ops' schemas and fake kernels only, so a first start traces and compiles while the
-library builds (``build_in_background``); whatever runs an op waits in ``kernels``."""
+"""``models.native`` and ``models.ops``: the kernel library's build on a thread, and what may go on
+beside it. Tracing a graph needs the ops' schemas and fake kernels only, so a first start traces and
+compiles while the library builds (``ops.build_in_background``); whatever runs an op waits in
+``ops.kernels``."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.models.conftest import run_fresh
 
 TRACE_WITHOUT_KERNELS = """
 import torch
-from neuron_lmi.models import native, packed_linear
+from neuron_lmi.models import ops as kernel_ops, packed_linear
 from neuron_lmi.models.quant import linear
 
 weight = torch.randn(4, 8)
@@ -31,24 +32,24 @@ library = next(name for name in packed_linear.LIBRARIES if packed_linear.availab
 with packed_linear.tracing_packed_linears(library, torch.float32):
     program = torch.export.export(Graph(), (torch.randn(3, 8),), strict=False)
 ops = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
-print(native.registered(), ops)
+print(kernel_ops.registered(), ops)
 """
 
 BUILD_ON_A_THREAD = """
 import threading
-from neuron_lmi.models import native
+from neuron_lmi.models import ops
 
-native.build_in_background()
+ops.build_in_background()
 for thread in threading.enumerate():
-    if thread.name == "neuron-lmi-native-build":
+    if thread.name == ops.BUILD_THREAD:
         thread.join()
-print(native.registered())
+print(ops.registered())
 """
 
 BUILD_AND_EXIT = """
-from neuron_lmi.models import native
+from neuron_lmi.models import ops
 
-native.build_in_background()
+ops.build_in_background()
 """
 
 
@@ -73,9 +74,9 @@ def test_an_interpreter_exiting_mid_build_waits_for_it(tmp_path) -> None:
 
 BUILD_NOW = """
 import sys
-from neuron_lmi.models import native
+from neuron_lmi.models import native, ops
 native.BUILD_LOCK_TIMEOUT_S = float(sys.argv[1])
-print(native.kernels(), flush=True)
+print(ops.kernels(), flush=True)
 """
 
 

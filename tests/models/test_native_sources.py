@@ -1,7 +1,7 @@
 """The native kernels' sources compile for every x86 instruction set the kernels branch on: AVX2
 only, AVX-512 without BF16, and AVX-512 with BF16. The build targets the host (``-march=native``),
 so a branch this host does not take is otherwise never compiled here; a host whose build fails runs
-the slow Python kernels instead (``native.kernels``)."""
+the slow Python kernels instead (``ops.kernels``)."""
 
 from __future__ import annotations
 

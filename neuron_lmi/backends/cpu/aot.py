@@ -44,7 +44,8 @@ from neuron_lmi.backends.cpu.graphs import (
     constant_tensors,
     decode_attention_form,
 )
-from neuron_lmi.models import host_isa, native
+from neuron_lmi.config.dtypes import DTYPES
+from neuron_lmi.models import host_isa, ops
 from neuron_lmi.models.args import ModelArgs, MoeSpec
 from neuron_lmi.models.llama import LlamaForCausalLM
 
@@ -58,7 +59,8 @@ INDUCTOR_CONFIGS: Mapping[str, Any] = MappingProxyType({"aot_inductor.package_co
 # Bump when graphs.py or this module changes what a package computes or expects: old entries then
 # stop matching instead of being loaded with the wrong inputs.
 GRAPHS_VERSION = 5
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# torch's dtype -> LMI's name, from the one dtype table.
+DTYPE_NAMES = MappingProxyType({getattr(torch, d.torch_name): name for name, d in DTYPES.items()})
 # Fields of ModelArgs that do not change a graph (token ids are the engine's business).
 _NON_GRAPH_FIELDS = ("bos_token_id", "eos_token_ids")
 # ModelArgs and MoeSpec fields added with the Qwen and Gemma families.
@@ -193,7 +195,7 @@ def load_package(path: Path) -> Any:
     package Inductor built with AMX micro-GEMMs dies with SIGILL in a process that never asked), and
     the ``neuron_lmi::`` ops' kernels are registered: a package calls them through the dispatcher."""
     host_isa.request_amx()
-    native.kernels()
+    ops.kernels()
     try:
         from torch.export.pt2_archive._package import AOTICompiledModel
 

@@ -154,7 +154,12 @@ class CpuBackend:
         for name, entry in artifacts.entries.items():
             done = "compiled" if name in artifacts.compiled else "loaded"
             log.info("compiled %s: key=%s %s (%s)", name, entry.key, done, entry.path)
+        lora = getattr(plan.options, "lora", None)
         if plan.aot is not None:
+            if lora is not None:
+                raise ValueError(
+                    "option.enable_lora: the AOT bucket runner (option.compiled_graph_path) takes no adapters"
+                )
             graphs = CompiledGraphs(plan.model, artifacts.entry("buckets").path, plan.aot)
             return CompiledCpuRunner(plan.model, graphs)
         packages = {name: _open_package(plan, name, artifacts) for name in artifacts.entries}
@@ -164,6 +169,8 @@ class CpuBackend:
             plan.n_positions,
             compiled_decode=packages.get(CompiledDecode.graph),  # type: ignore[arg-type]
             compiled_extend=packages.get(CompiledExtend.graph),  # type: ignore[arg-type]
+            lora_slots=lora.max_loras if lora is not None else 0,
+            lora_rank=lora.max_lora_rank if lora is not None else 0,
         )
         # After the compiled graphs, which trace dense weights; packing is for the eager runner.
         if plan.options is None or plan.options.pack_weights:

@@ -47,7 +47,7 @@ from compile_cache.key import CacheKeyInputs, fingerprint_weights
 from neuron_lmi.backends.cpu.aot import DTYPE_NAMES, architecture_description, cpu_capability, load_package
 from neuron_lmi.backends.cpu.graphs import StepGraph, avx512_host, check_compilable, decode_attention_form
 from neuron_lmi.engine.scheduler import DEFAULT_STEP_TOKENS
-from neuron_lmi.models import host_isa, native, packed_linear
+from neuron_lmi.models import host_isa, ops, packed_linear
 from neuron_lmi.models.llama import LlamaForCausalLM
 from neuron_lmi.models.native import host_cpu_flags
 from neuron_lmi.models.quant import (
@@ -57,6 +57,7 @@ from neuron_lmi.models.quant import (
     matmul_weight_slots,
     tracing_packed_kernels,
 )
+from neuron_lmi.runners.base import MixedStepLimits
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +276,7 @@ def export_package(
         program = torch.export.export(graph.eval(), example, dynamic_shapes=dynamic, strict=False)
     if configs.get("max_autotune"):
         # Autotuning times candidate kernels: a kernel build still running beside it would skew them.
-        native.kernels()
+        ops.kernels()
     torch._inductor.aoti_compile_and_package(
         program, package_path=str(package_path), inductor_configs=configs
     )
@@ -315,15 +316,17 @@ class CompiledDecode(FrozenPackage):
     size_limit = staticmethod(token_limit)
     pair_limit: int | None = CHUNK_PAIR_LIMIT  # the model's ``chunk_pair_limit``, set when opened
 
+    @property
+    def limits(self) -> MixedStepLimits:
+        """The token limit, the attention length under ``n_positions``, and the chunks' (query, key)
+        pairs within ``pair_limit`` (the model's ``chunk_pair_limit``): the runner's capabilities
+        hand these to the scheduler, which cuts a step that does not fit."""
+        return MixedStepLimits(self.limit, self.pair_limit, self.n_positions)
+
     def covers_chunks(self, starts: Sequence[int], lengths: Sequence[int]) -> bool:
         """Chunks of ``lengths`` tokens after ``starts`` cached positions (a decode is a chunk of
-        one): within the token limit, the attention length under ``n_positions``, and the chunks'
-        (query, key) pairs within ``pair_limit`` (the model's ``chunk_pair_limit``)."""
-        spans = list(zip(starts, lengths, strict=True))
-        if sum(lengths) > self.limit or max(s + n for s, n in spans) >= self.n_positions:
-            return False
-        limit = self.pair_limit
-        return limit is None or sum(n * s + n * (n + 1) // 2 for s, n in spans if n > 1) <= limit
+        one) within ``limits``."""
+        return self.limits.fits(starts, lengths)
 
     def __call__(
         self,

@@ -25,6 +25,7 @@ import torch
 from neuron_lmi.backends.backend import load_runner
 from neuron_lmi.backends.common import cache_for, eos_ids_for, fetch
 from neuron_lmi.backends.cpu.backend import CPU_BACKEND
+from neuron_lmi.backends.cpu.lora import CpuLora, adapter_table, cpu_lora
 from neuron_lmi.config.dtypes import DTYPES, canonical_dtype
 from neuron_lmi.config.options import (
     DEFAULT_MAX_PREFILL_TOKENS,
@@ -37,7 +38,8 @@ from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.process_front import DEFAULT_MAX_RESTARTS, ProcessEngine
 from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint, load_tokenizer, resolve_model_path
-from neuron_lmi.models.native import build_in_background, host_cpu_flags
+from neuron_lmi.models.native import host_cpu_flags
+from neuron_lmi.models.ops import build_in_background
 from neuron_lmi.models.quantize import quantize_model
 from neuron_lmi.parallel.tp_model import apply_tensor_parallel
 
@@ -110,6 +112,8 @@ class CpuEngineOptions:
     max_restarts: int
     # option.speculative_config: n-gram drafts verified per row (docs/speculative-decoding.md)
     speculative_config: SpeculativeConfig | None
+    # option.enable_lora and its kin, the start-up adapters fetched (backends.cpu.lora); None: off.
+    lora: CpuLora | None
 
     @classmethod
     def from_resolved(
@@ -140,6 +144,7 @@ class CpuEngineOptions:
             compile_graphs=not cfg.model.enforce_eager,
             max_restarts=0 if cfg.server.fail_fast else DEFAULT_MAX_RESTARTS,
             speculative_config=cfg.batching.speculative_config,
+            lora=cpu_lora(resolved, Path(model_path)),
         )
 
     @classmethod
@@ -198,9 +203,15 @@ def build_cpu_engine_core(
         options.quantize or "dense",
         runner.cache.nbytes() / 2**20,
     )
+    adapters = adapter_table(options.lora, plan.model) if options.lora is not None else None
     eos = eos_ids_for(ckpt.config, tokenizer)
     core = EngineCore(
-        runner, tokenizer, eos, options.max_prefill_tokens, speculative=options.speculative_config
+        runner,
+        tokenizer,
+        eos,
+        options.max_prefill_tokens,
+        adapters=adapters,
+        speculative=options.speculative_config,
     )
     return core, ckpt.config
 

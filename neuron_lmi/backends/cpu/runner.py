@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,7 +13,8 @@ from cache_api import RowTable
 from neuron_lmi.backends.cpu.buckets import chunk_buckets, pack_into_bins, pick_bucket, power_of_two_buckets
 from neuron_lmi.backends.cpu.graphs import right_padded
 from neuron_lmi.models.llama import LlamaForCausalLM
-from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities, ascending, in_asked_order
+from neuron_lmi.models.lora import LoraAdapter, LoraBatch, LoraSlots
+from neuron_lmi.runners.base import ForwardByKind, RunnerCapabilities, StepBatch, ascending, in_asked_order
 
 if TYPE_CHECKING:
     from neuron_lmi.backends.cpu.compiled_decode import CompiledDecode
@@ -22,17 +24,30 @@ if TYPE_CHECKING:
 class CpuRunner(ForwardByKind):
     """Runs ``LlamaForCausalLM`` over a static KV cache of ``n_rows`` x ``n_positions``.
 
-    Prefill pads prompts to a context bucket, packing several short prompts into one bucket-sized
-    row (block-diagonal attention) and batching the rows of one bucket; decode
-    attends over the smallest token-generation bucket that covers every active row. ``extend``
-    (when the model supports it) appends chunks to rows that already hold a prefix, in pieces of at
-    most the largest context bucket, so a prompt longer than that bucket is prefilled in chunks.
-    ``compiled_decode`` and ``compiled_extend`` (loaded by ``backend.CpuBackend.load`` from the
-    modules of the same names, and given here) run the decode and extend steps they cover; with
-    either, a prefill is an extend from position 0 (no buckets or packing: the graphs take any length).
-    The rest run the eager model. With the compiled step graph (``compiled_decode``) an ``extend``
-    may mix decodes (chunks of one token) with prompt chunks, all in one forward where the graph
-    covers them (``mixed_steps``: the engine then sends a whole step as one ``extend``).
+    Each batch is computed as it comes; the capabilities tell the scheduler what one forward takes,
+    so no batch is split or sent to another kind's path here. Prefill pads prompts to a context
+    bucket, packing several short prompts into one bucket-sized row (block-diagonal attention) and
+    batching the rows of one bucket; decode attends over the smallest token-generation bucket that
+    covers every active row. ``extend`` (when the model supports it) appends chunks of at most the
+    largest context bucket (``max_chunk_tokens``: a longer prompt comes in chunks) to rows that
+    already hold a prefix. ``compiled_decode`` and ``compiled_extend`` (loaded by
+    ``backend.CpuBackend.load`` from the modules of the same names, and given here) run the decode
+    and extend batches whose shapes they take, the eager model the rest; with either, new prompts
+    come as an extend from position 0 (``prefill_as_extend``: the graphs need no buckets or
+    packing). With the compiled step graph (``compiled_decode``) an extend batch may mix decodes
+    (chunks of one token) with prompt chunks (``mixed_steps``), within the graph's limits
+    (``mixed_limits``).
+
+    With ``lora_slots`` the runner holds that many LoRA adapters (``models.lora.LoraSlots``, ranks
+    up to ``lora_rank``). A batch with adapted lines (``StepBatch.adapters``) runs the eager
+    ``extend`` whatever graphs are compiled: the compiled graphs have the base weights frozen in and
+    take no adapter, so such a batch (its base lines too: a mixed step is one batch) goes eager,
+    every line written from its start. A batch without adapters takes the usual path unchanged.
+
+    A batch with ``StepBatch.logit_counts`` (speculative decodes' verify lines) runs the eager
+    extend too, returning the logits of each line's last positions (``verify``): the compiled graphs
+    return last-token logits only, so ``mixed_verify`` is off and the scheduler sends such lines as
+    an EXTEND batch of their own, each at most ``max_verify_tokens`` (the largest context bucket).
     """
 
     def __init__(
@@ -43,6 +58,8 @@ class CpuRunner(ForwardByKind):
         context_buckets: list[int] | None = None,
         compiled_decode: CompiledDecode | None = None,
         compiled_extend: CompiledExtend | None = None,
+        lora_slots: int = 0,
+        lora_rank: int = 0,
     ) -> None:
         if n_positions > model.n_positions:
             raise ValueError(
@@ -65,14 +82,42 @@ class CpuRunner(ForwardByKind):
         self.compiled_decode = compiled_decode
         self.compiled_extend = compiled_extend
         # Fixed here: mixed steps only with the compiled step graph, which runs decodes and prompt
-        # chunks in one forward (elsewhere ``extend`` sends the decodes to ``decode``).
-        mixed = self.supports_extend and compiled_decode is not None
-        # A verification line runs as one eager extend piece (``verify``), so it is at most the
-        # largest context bucket long.
-        verify = self.context_buckets[-1] if self.supports_extend else 0
+        # chunks in one forward, as far as its limits go (the scheduler cuts a step past them).
+        extend = self.supports_extend
+        mixed = extend and compiled_decode is not None
+        self.lora: LoraSlots | None = None
+        if lora_slots:
+            projections = model.lora_projections()
+            if not projections:
+                name = type(model).__name__
+                raise ValueError(f"option.enable_lora: {name} (as built here) cannot run LoRA adapters")
+            self.lora = LoraSlots(model.args, projections, lora_slots, lora_rank, model.dtype)
         self.capabilities = RunnerCapabilities(
-            extend=self.supports_extend, mixed_steps=mixed, prompt_logits=True, max_verify_tokens=verify
+            extend=extend,
+            mixed_steps=mixed,
+            prompt_logits=True,
+            max_chunk_tokens=self.context_buckets[-1] if extend else None,
+            mixed_limits=compiled_decode.limits if mixed and compiled_decode is not None else None,
+            prefill_as_extend=extend and (compiled_decode is not None or compiled_extend is not None),
+            lora_slots=lora_slots,
+            lora_rank=lora_rank if lora_slots else 0,
+            # A verify line is an eager extend line, so at most the longest chunk; the compiled
+            # graphs return last-token logits only, so verify lines never ride in a mixed step.
+            max_verify_tokens=self.context_buckets[-1] if extend else 0,
+            mixed_verify=False,
         )
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        if batch.adapters is None:
+            return ForwardByKind.forward(self, batch)
+        for row, start in zip(batch.rows, batch.starts, strict=True):
+            self.rows.set_length(row, start)
+        return self._extend_eager(batch.rows, batch.chunks, batch.adapters, batch.logit_counts or None)
+
+    def set_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
+        if self.lora is None:
+            raise ValueError("this runner was built without LoRA slots (option.enable_lora)")
+        self.lora.write(slot, adapter)
 
     @property
     def rows(self) -> RowTable:
@@ -81,15 +126,6 @@ class CpuRunner(ForwardByKind):
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         if len(rows) != len(prompts):
             raise ValueError("prefill: rows and prompts differ in length")
-        compiled = self.compiled_extend is not None or self.compiled_decode is not None
-        if compiled and all(prompts) and not any(self.rows.lengths(rows)):
-            return self.extend(rows, prompts)
-        longest = self.context_buckets[-1]
-        long = [i for i, p in enumerate(prompts) if len(p) > longest]
-        if long and self.supports_extend:  # the head as usual, the rest in chunks
-            logits = self.prefill(rows, [p[:longest] for p in prompts])
-            logits[long] = self.extend([rows[i] for i in long], [prompts[i][longest:] for i in long])
-            return logits
         by_bucket: dict[int, list[int]] = defaultdict(list)
         for i, prompt in enumerate(prompts):
             if not prompt:
@@ -142,7 +178,7 @@ class CpuRunner(ForwardByKind):
 
     def extend(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append ``chunks[i]`` to ``rows[i]`` after the positions it holds; returns the logits of
-        each chunk's last token. A chunk longer than the largest context bucket runs in pieces."""
+        each chunk's last token. A chunk is at most the largest context bucket (``max_chunk_tokens``)."""
         starts = self._check_lines("extend", rows, chunks)
         step = self.compiled_decode
         if step is not None and step.covers_chunks(starts, [len(c) for c in chunks]):
@@ -150,26 +186,36 @@ class CpuRunner(ForwardByKind):
             for row, start, chunk in zip(rows, starts, chunks, strict=True):
                 self.rows.set_length(row, start + len(chunk))
             return logits
-        logits = torch.empty(len(rows), self.vocab_size)
-        single = [i for i, c in enumerate(chunks) if len(c) == 1 and starts[i] > 0]
-        if single:  # decodes of a mixed step the graph does not cover: run apart from the prompts
-            logits[single] = self.decode([rows[i] for i in single], [chunks[i][0] for i in single])
-            if len(single) == len(rows):
-                return logits
-            decoded = set(single)
-            rest = [i for i in range(len(rows)) if i not in decoded]
-            logits[rest] = self.extend([rows[i] for i in rest], [chunks[i] for i in rest])
-            return logits
-        piece, done = self.context_buckets[-1], 0
-        while done < max(len(c) for c in chunks):
-            live = [i for i, c in enumerate(chunks) if len(c) > done]
-            by_bucket: dict[int, list[int]] = defaultdict(list)
-            for i in live:
-                by_bucket[pick_bucket(self.chunk_buckets, min(len(chunks[i]) - done, piece))].append(i)
-            for bucket, members in by_bucket.items():
-                pieces = [list(chunks[i][done : done + piece]) for i in members]
-                logits[members] = self._extend_bucket([rows[i] for i in members], pieces, bucket)
-            done += piece
+        return self._extend_eager(rows, chunks)
+
+    def _extend_eager(
+        self,
+        rows: Sequence[int],
+        chunks: Sequence[Sequence[int]],
+        adapters: Sequence[int | None] | None = None,
+        last: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """The eager extend, padded to each chunk's bucket (several buckets: one model call each, so
+        a short chunk does not pay for a long one's padding; a chunk past the largest is refused by
+        pick_bucket). ``adapters``: each line's LoRA slot (an adapted batch). ``last``: the logits
+        of each line's last ``last[i]`` positions, ``[sum(last), vocab]`` (a batch of verify lines)."""
+        ends = list(accumulate(last)) if last else list(range(1, len(rows) + 1))
+        logits = torch.empty(ends[-1], self.vocab_size)
+        by_bucket: dict[int, list[int]] = defaultdict(list)
+        for i, chunk in enumerate(chunks):
+            by_bucket[pick_bucket(self.chunk_buckets, len(chunk))].append(i)
+        for bucket, members in by_bucket.items():
+            pieces = [list(chunks[i]) for i in members]
+            lora = None
+            if adapters is not None and self.lora is not None:
+                lora = self.lora.batch([adapters[i] for i in members])
+            counts = [last[i] for i in members] if last else None
+            out = self._extend_bucket([rows[i] for i in members], pieces, bucket, lora, counts)
+            if counts is None:
+                logits[members] = out
+            else:  # each member's last positions, in line order
+                spans = zip(members, counts, strict=True)
+                logits[[j for i, n in spans for j in range(ends[i] - n, ends[i])]] = out
         return logits
 
     def _check_lines(self, what: str, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> list[int]:
@@ -197,47 +243,36 @@ class CpuRunner(ForwardByKind):
         """``extend``, returning the logits of each line's last ``logit_counts[i]`` positions in line
         order, ``[sum(logit_counts), vocab]`` (speculative decodes are verified from them).
 
-        Lines that want one go through ``extend`` as usual (compiled graphs included); the others
-        run the eager model, one piece each: the compiled graphs return last-token logits only."""
+        The whole batch runs the eager extend as it comes: the compiled graphs return last-token
+        logits only, which is why ``mixed_verify`` is off and the scheduler sends verify lines as an
+        EXTEND batch of their own, none longer than ``max_verify_tokens``."""
         self._check_lines("verify", rows, chunks)
         if len(logit_counts) != len(rows):
             raise ValueError("verify: rows and logit_counts differ in length")
-        piece = self.capabilities.max_verify_tokens
-        offsets = [sum(logit_counts[:i]) for i in range(len(rows))]
-        logits = torch.empty(sum(logit_counts), self.vocab_size)
-        one = [i for i, n in enumerate(logit_counts) if n == 1]
-        if one:
-            logits[[offsets[i] for i in one]] = self.extend([rows[i] for i in one], [chunks[i] for i in one])
-        by_bucket: dict[int, list[int]] = defaultdict(list)
-        for i, n in enumerate(logit_counts):
-            if n > 1:
-                if len(chunks[i]) > piece:
-                    raise ValueError(f"verify: a {len(chunks[i])}-token line exceeds {piece}")
-                by_bucket[pick_bucket(self.chunk_buckets, len(chunks[i]))].append(i)
-        for bucket, members in by_bucket.items():
-            counts = [logit_counts[i] for i in members]
-            pieces = [list(chunks[i]) for i in members]
-            out = self._extend_bucket([rows[i] for i in members], pieces, bucket, counts)
-            at = 0
-            for i, n in zip(members, counts, strict=True):
-                logits[offsets[i] : offsets[i] + n] = out[at : at + n]
-                at += n
-        return logits
+        longest = self.capabilities.max_verify_tokens
+        if any(len(chunk) > longest for chunk in chunks):
+            raise ValueError(f"verify: a line of {max(map(len, chunks))} tokens exceeds {longest}")
+        return self._extend_eager(rows, chunks, last=logit_counts)
 
     def _extend_bucket(
-        self, rows: list[int], pieces: list[list[int]], bucket: int, last: list[int] | None = None
+        self,
+        rows: list[int],
+        pieces: list[list[int]],
+        bucket: int,
+        lora: LoraBatch | None = None,
+        last: list[int] | None = None,
     ) -> torch.Tensor:
         starts = self.rows.lengths(rows)
         lengths = [len(p) for p in pieces]
         compiled = self.compiled_extend
-        if last is None and compiled is not None and compiled.covers(starts, lengths):
+        if lora is None and last is None and compiled is not None and compiled.covers(starts, lengths):
             out = compiled(rows, pieces, starts, self.cache.k, self.cache.v)
         else:
             tokens = right_padded(pieces, bucket)
             ends = max(s + n for s, n in zip(starts, lengths, strict=True))
             out = self.model.extend(
                 tokens, torch.tensor(rows, dtype=torch.long), torch.tensor(starts, dtype=torch.long),
-                lengths, self.cache.k, self.cache.v, pick_bucket(self.token_buckets, ends), last,
+                lengths, self.cache.k, self.cache.v, pick_bucket(self.token_buckets, ends), lora, last,
             )  # fmt: skip
         for row, start, n in zip(rows, starts, lengths, strict=True):
             self.rows.set_length(row, start + n)

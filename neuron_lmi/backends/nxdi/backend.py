@@ -11,6 +11,7 @@ model is built once per start-up.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping
@@ -23,12 +24,15 @@ from neuron_lmi.backends import registry
 from neuron_lmi.backends.backend import NO_ARTIFACTS, Artifacts, CompileOptions, CompileUnit, load_runner
 from neuron_lmi.backends.common import fetch, neuron_compile_cache, rolling_batch_engine, with_model_defaults
 from neuron_lmi.backends.host import NXDI, installed_version
+from neuron_lmi.backends.nxdi.applications import APPLICATIONS
 from neuron_lmi.backends.nxdi.artifacts import is_artifact_dir, new_application, nxdi_key_inputs
 from neuron_lmi.backends.nxdi.defaults import apply_environment
+from neuron_lmi.backends.nxdi.model_checks import Windows, text_config
 from neuron_lmi.backends.nxdi.plan import NxdiPlan, plan_nxdi
 from neuron_lmi.backends.nxdi.runner import CausalLMApplication, NxdiRunner, on_cpu_application, runner_for
 from neuron_lmi.backends.nxdi.support import PLATFORM_KEY, PLATFORM_VAR, Platform, release, target_platform
 from neuron_lmi.config.hf_config import read_hf_config
+from neuron_lmi.config.loader import ResolvedConfig
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +99,9 @@ class NxdiBackend:
         installed one) on this host's chip; for ``neuron-lmi compile``, ``--nxdi-version`` and
         ``--platform`` (each with where it came from). ``compiler_version`` keys the entry (default:
         the installed neuronx-cc, ``not-installed`` in a review)."""
-        resolved = with_model_defaults(request.resolved, model_path)
-        neuron = resolved.config.neuron
         model_config = read_hf_config(model_path, "the NxD Inference backend")
+        resolved = positions_within_window(with_model_defaults(request.resolved, model_path), model_config)
+        neuron = resolved.config.neuron
         if options.purpose == "serve":
             choice = request.choice
             version = (choice.version if choice else None) or installed_version(NXDI.distribution)
@@ -169,9 +173,35 @@ class NxdiBackend:
     def engine(self, request: registry.BuildRequest) -> Any:
         """``serve``: fetch, then plan -> compile on a miss -> load, in a rolling-batch engine."""
         path = fetch(request.resolved, request.env)
-        runner = build_nxdi_runner(request, path)
-        resolved = with_model_defaults(request.resolved, path)
+        resolved = with_model_defaults(request.resolved, path)  # the plan cuts to a window (runner's)
+        runner = build_nxdi_runner(dataclasses.replace(request, resolved=resolved), path)
         return rolling_batch_engine(runner, path, resolved, self.name, model_dtype=runner.dtype)
+
+
+def positions_within_window(resolved: ResolvedConfig, model_config: Mapping[str, Any]) -> ResolvedConfig:
+    """LMI's default ``n_positions`` cut to the model's ``sliding_window`` where the
+    application serves no more (Gemma 3: ``Windows.WITHIN``, ``model_checks``), logged. A value some
+    source set is left for the plan to refuse, naming the key."""
+    application = APPLICATIONS.get(str(model_config.get("model_type", "")))
+    window = text_config(model_config).get("sliding_window")
+    n_positions = resolved.config.batching.n_positions
+    default = resolved.source_of("n_positions").startswith("default")
+    if application is None or application.windows is not Windows.WITHIN or not isinstance(window, int):
+        return resolved
+    if not default or n_positions is None or n_positions <= window:
+        return resolved
+    log.warning(
+        "n_positions %d (%s) cut to the model's sliding_window=%d: NxD Inference's %s serves no more "
+        "(set option.n_positions to choose another value up to it)",
+        n_positions, resolved.source_of("n_positions"), window, application.application,
+    )  # fmt: skip
+    batching = resolved.config.batching.model_copy(update={"n_positions": window})
+    label = f"default:sliding_window={window} (NxD Inference's {application.application})"
+    return dataclasses.replace(
+        resolved,
+        config=resolved.config.model_copy(update={"batching": batching}),
+        sources={**resolved.sources, "n_positions": label},
+    )
 
 
 def build_nxdi_runner(

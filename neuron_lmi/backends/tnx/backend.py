@@ -9,6 +9,7 @@ fills the same entries.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -137,8 +138,9 @@ class TnxBackend:
     def engine(self, request: registry.BuildRequest) -> Any:
         """``serve``: fetch, then plan -> compile on a miss -> load, in a rolling-batch engine."""
         path = fetch(request.resolved, request.env)
-        runner = build_neuron_runner(request, path)
-        return rolling_batch_engine(runner, path, with_model_defaults(request.resolved, path), self.name)
+        resolved = with_model_defaults(request.resolved, path)
+        runner = build_neuron_runner(dataclasses.replace(request, resolved=resolved), path)
+        return rolling_batch_engine(runner, path, resolved, self.name)
 
 
 def build_neuron_runner(

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from neuron_lmi.config.keys import env_lookup
 from neuron_lmi.deploy.sagemaker.instances import check_accelerators, default_volume_size, devices_needed
 from neuron_lmi.deploy.sagemaker.invoke import generate
 from neuron_lmi.deploy.sagemaker.resources import (
@@ -61,8 +62,6 @@ def parallelism(args: argparse.Namespace) -> tuple[int | None, int | None]:
     """``(tensor_parallel_degree, logical_nc_config)`` from the flag, else from the model's ``--env``
     read through neuron-lmi's own key table (``OPTION_TENSOR_PARALLEL_DEGREE``, ``SM_NUM_GPUS``, ...);
     None where unknown."""
-    from neuron_lmi.config.keys import env_lookup
-
     found, _ = env_lookup(parse_env(getattr(args, "env", [])))
     tp = args.tensor_parallel_degree or found.get("tensor_parallel_degree", ("", None))[1]
     lnc = found.get("logical_nc_config", ("", None))[1]

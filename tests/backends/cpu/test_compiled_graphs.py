@@ -15,7 +15,8 @@ from neuron_lmi.backends.cpu.engine import CpuEngineOptions
 from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.backends.cpu.runner import CpuRunner
 from neuron_lmi.engine.types import SamplingParams
-from neuron_lmi.models import native, packed_linear
+from neuron_lmi.models import ops, packed_linear
+from neuron_lmi.runners.base import BatchKind, StepBatch
 from tests.backends.cpu.conftest import load_tiny
 from tests.conftest import cpu_options
 
@@ -79,6 +80,11 @@ def test_compiled_graphs_equal_eager_token_for_token(
     package, extend = runner.compiled_decode, runner.compiled_extend
     assert eager.core.runner.compiled_decode is None and eager.core.runner.compiled_extend is None
     assert package is not None and extend is not None
+    # What one forward takes goes to the scheduler, which cuts each step to it (no runner re-routes).
+    capabilities = runner.capabilities
+    assert capabilities.mixed_steps and capabilities.prefill_as_extend
+    assert capabilities.mixed_limits == package.limits and capabilities.max_chunk_tokens == N_POSITIONS
+    assert not eager.core.runner.capabilities.prefill_as_extend
     forwards_per_step = _count_forwards(compiled)
     ids = list(range(300, 420))
     prompts = [ids[:3], ids[:40], ids[:100], ids[5:6], ids[10:30], ids[:64]]
@@ -249,10 +255,13 @@ def test_compiled_extend_writes_the_cache_and_logits_eager_does(
 def _teacher_forced(runner: CpuRunner, lone_row_step: bool = False) -> torch.Tensor:
     """Logits ``[steps, 3, vocab]`` of one prefill of three prompts into fresh rows (0, 1, 2) and four
     decode steps over them; with ``lone_row_step``, then one step of row 0 alone (one token),
-    broadcast over the three. The rows are freed after."""
+    broadcast over the three. The rows are freed after. The prompts go in the batch the scheduler
+    sends (an EXTEND from position 0 where the runner has graphs: ``prefill_as_extend``)."""
     prompts = [list(range(300, 310)), list(range(400, 437)), [5, 6]]
     rows = [runner.rows.allocate() for _ in prompts]
-    logits = [runner.prefill(rows, prompts)]
+    kind = BatchKind.EXTEND if runner.capabilities.prefill_as_extend else BatchKind.PREFILL
+    n = len(rows)
+    logits = [runner.forward(StepBatch(kind, tuple(rows), (0,) * n, tuple(map(tuple, prompts)), (True,) * n))]
     for step in range(4):
         logits.append(runner.decode(rows, [7 + step + i for i in range(len(rows))]))
     if lone_row_step:
@@ -379,7 +388,7 @@ def test_the_step_graphs_last_layer_runs_for_the_logits_tokens_only(tiny_llama_d
     """A 20-token prompt chunk and two decodes in one step: the last layer's MLP sees the three
     tokens whose logits are wanted, not all 22, and the logits and every K/V written are those of
     running every token through every layer."""
-    native.kernels()  # the op's CPU kernel, as the engine loads it at start-up
+    ops.kernels()  # the op's CPU kernel, as the engine loads it at start-up
     model = load_tiny(tiny_llama_dir)
     graph = graphs.StepGraph(model)
     args = model.args

@@ -18,14 +18,6 @@ from neuron_lmi.config import ConfigError, ResolvedConfig, load_config
 ENV = {"OPTION_MAX_ROLLING_BATCH_SIZE": "5", "OPTION_N_POSITIONS": "96"}
 
 
-@pytest.fixture()
-def properties(tiny_llama_dir: Path, tmp_path: Path) -> Path:
-    path = tmp_path / "serving.properties"
-    keys = [f"option.model_id={tiny_llama_dir}", "option.max_rolling_batch_size=3", "option.dtype=fp32"]
-    path.write_text("\n".join([*keys, "option.enforce_eager=true", ""]))
-    return path
-
-
 def _serve_view(monkeypatch: pytest.MonkeyPatch, resolved: ResolvedConfig) -> CpuEngineOptions:
     """What serve's CPU builder hands the engine process for ``resolved``."""
     seen: list[CpuEngineOptions] = []
@@ -37,27 +29,29 @@ def _serve_view(monkeypatch: pytest.MonkeyPatch, resolved: ResolvedConfig) -> Cp
 
 
 def test_llm_resolves_properties_and_environment_as_serve_does(
-    monkeypatch: pytest.MonkeyPatch, properties: Path, tiny_llama_dir: Path
+    monkeypatch: pytest.MonkeyPatch, tiny_llama_properties: Path, tiny_llama_dir: Path
 ) -> None:
-    llm = LLM(properties=properties, env=ENV)
-    assert llm.options == _serve_view(monkeypatch, load_config(None, properties, ENV))
+    llm = LLM(properties=tiny_llama_properties, env=ENV)
+    assert llm.options == _serve_view(monkeypatch, load_config(None, tiny_llama_properties, ENV))
     opts = llm.options
     assert (opts.model, opts.max_rolling_batch_size, opts.n_positions) == (str(tiny_llama_dir), 3, 96)
     assert (opts.dtype, opts.compile_graphs) == ("fp32", False)
     assert llm.core.runner.rows.n_rows == 3  # the engine is built from them
 
 
-def test_llm_keywords_win_over_every_source(properties: Path) -> None:
-    llm = LLM(properties=properties, env=ENV, max_rolling_batch_size=2, n_positions=64, dtype="auto")
+def test_llm_keywords_win_over_every_source(tiny_llama_properties: Path) -> None:
+    llm = LLM(
+        properties=tiny_llama_properties, env=ENV, max_rolling_batch_size=2, n_positions=64, dtype="auto"
+    )
     assert (llm.options.max_rolling_batch_size, llm.options.n_positions) == (2, 64)
     assert llm.options.dtype == "fp32"  # dtype="auto" is no dtype: serving.properties still says fp32
 
 
-def test_llm_refuses_what_is_not_configuration(properties: Path) -> None:
+def test_llm_refuses_what_is_not_configuration(tiny_llama_properties: Path) -> None:
     with pytest.raises(ConfigError, match=r"compile_graphs.*not a neuron-lmi configuration option"):
-        LLM(properties=properties, env=ENV, compile_graphs=True)
+        LLM(properties=tiny_llama_properties, env=ENV, compile_graphs=True)
     with pytest.raises(ConfigError, match="n-positions"):
-        LLM(properties=properties, env=ENV, n_positions=0)
+        LLM(properties=tiny_llama_properties, env=ENV, n_positions=0)
 
 
 def test_an_unset_llm_runs_as_served(monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path) -> None:

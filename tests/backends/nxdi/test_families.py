@@ -14,10 +14,13 @@ from typing import Any
 
 import pytest
 
+from neuron_lmi.backends.common import with_model_defaults
 from neuron_lmi.backends.nxdi.applications import APPLICATIONS, APPLICATIONS_0_8
+from neuron_lmi.backends.nxdi.backend import positions_within_window
 from neuron_lmi.backends.nxdi.plan import NEURON_CONFIG_FIELDS, plan_nxdi
 from neuron_lmi.backends.nxdi.support import UnsupportedReleaseError
-from tests.backends.nxdi.test_plan import LLAMA_3_8B, plan_for
+from neuron_lmi.config import load_config
+from tests.backends.nxdi.test_plan import LLAMA_3_8B, model_dir, plan_for
 
 QWEN2_5_7B = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
@@ -167,6 +170,25 @@ def test_gemma3_is_served_within_its_window(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"on_cpu=true with option\.n_positions=512: .* 1023 or 1024"):
         plan_in(tmp_path / "c", GEMMA_3_27B, on_cpu + "option.n_positions=512\n")
     assert plan_in(tmp_path / "d", GEMMA_3_27B, on_cpu + "option.n_positions=1023\n")[0].on_cpu
+
+
+def test_gemma3_default_positions_are_cut_to_its_window(tmp_path: Path) -> None:
+    """LMI's default n_positions (2,048 here: the released config.json states no limit) becomes
+    Gemma 3's window, so a start without option.n_positions plans; a value a source set is the
+    user's, and the plan refuses it."""
+    folder = model_dir(tmp_path, GEMMA_3_27B)
+    resolved = with_model_defaults(load_config({"model_id": str(folder)}, None, {}), folder)
+    assert resolved.config.batching.n_positions == 2048
+    cut = positions_within_window(resolved, GEMMA_3_27B)
+    assert cut.config.batching.n_positions == 1024 and "sliding_window=1024" in cut.source_of("n_positions")
+    assert plan_nxdi(cut.config, GEMMA_3_27B, str(folder)).n_positions == 1024
+    assert positions_within_window(cut, GEMMA_3_27B) is cut  # once is enough: the plan calls it again
+    by_hand = load_config({"model_id": str(folder), "n_positions": 2048}, None, {})
+    assert positions_within_window(by_hand, GEMMA_3_27B) is by_hand
+    (tmp_path / "q").mkdir()
+    qwen_dir = model_dir(tmp_path / "q", QWEN3_8B)
+    qwen = with_model_defaults(load_config({"model_id": str(qwen_dir)}, None, {}), qwen_dir)
+    assert positions_within_window(qwen, QWEN3_8B) is qwen  # no window to serve within
 
 
 def test_what_gemma3_does_not_honour_is_named(tmp_path: Path) -> None:

@@ -1,0 +1,323 @@
+"""LoRA adapters on the torch model: PEFT checkpoints read into the model's fused projections, the
+slots they are served from, and the grouped low-rank update a projection adds per line.
+
+The model fuses q|k|v and gate|up, so an adapter's modules are fused the same way: the A matrices of
+one projection's modules are stacked along the rank, and each B lands in its module's rows of the
+fused output, in its own rank columns (block-diagonal), with the PEFT scale folded in::
+
+    wqkv:  A = [A_q; A_k; A_v]  [r_q + r_k + r_v, hidden]     B = | s_q B_q    0       0    |  q rows
+                                                                  |   0     s_k B_k    0    |  k rows
+                                                                  |   0       0     s_v B_v |  v rows
+
+so ``y = x W^T + (x A^T) B^T`` is the merged weight's output ``x (W + s B A)^T`` for every module
+at once. ``s`` is PEFT's ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``).
+
+``LoraSlots`` holds ``n_slots`` adapters per projection as ``A [slots, R, in]``, ``B [slots, out, R]``,
+zero-padded to the projection's rank room ``R`` (``max_lora_rank`` times its module count), so a
+slot is overwritten in place when another adapter moves in. A forward with adapted lines gets a
+``LoraBatch``: which lines use which slot; each adapted projection then adds, for each slot in the
+batch, one ``(x[lines] A^T) B^T`` over that slot's lines (``add_lora``): one small matmul pair per
+adapter present, never a forward per adapter, and nothing at all where no line is adapted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from neuron_lmi.models.args import ModelArgs
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# PEFT module name -> (our fused projection, its index among that projection's modules).
+MODULES: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv", 0),
+    "k_proj": ("qkv", 1),
+    "v_proj": ("qkv", 2),
+    "o_proj": ("o", 0),
+    "gate_proj": ("gate_up", 0),
+    "up_proj": ("gate_up", 1),
+    "down_proj": ("down", 0),
+}
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+ATTENTION_PROJECTIONS = frozenset({"qkv", "o"})
+# ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`` (``lora_A.default.weight``
+# where the adapter name was kept).
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter this model cannot serve; ``adapter`` names it and the message says why."""
+
+    def __init__(self, adapter: str, reason: str) -> None:
+        super().__init__(f"adapter {adapter!r}: {reason}")
+        self.adapter = adapter
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterConfig:
+    """What ``adapter_config.json`` says that serving needs."""
+
+    rank: int
+    alpha: float
+    rslora: bool
+    base_model: str | None
+    target_modules: tuple[str, ...]
+
+    def scale(self, rank: int) -> float:
+        return self.alpha / math.sqrt(rank) if self.rslora else self.alpha / rank
+
+
+def read_adapter_config(name: str, path: Path) -> AdapterConfig:
+    """``path/adapter_config.json``, refusing what the CPU engine does not serve (bias training,
+    saved base modules, per-module alphas, DoRA), each refusal naming the adapter."""
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise AdapterError(name, f"no {CONFIG_FILE} in {path}")
+    try:
+        raw: dict[str, Any] = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise AdapterError(name, f"{CONFIG_FILE} is not readable JSON ({exc})") from None
+    if str(raw.get("peft_type", "LORA")).upper() != "LORA":
+        raise AdapterError(name, f"peft_type {raw.get('peft_type')!r} is not LORA")
+    for key, neutral in (("bias", "none"), ("use_dora", False), ("fan_in_fan_out", False)):
+        if raw.get(key, neutral) not in (neutral, None):
+            raise AdapterError(name, f"{key}={raw[key]!r} is not supported (only {neutral!r})")
+    for key in ("modules_to_save", "alpha_pattern"):
+        if raw.get(key):
+            raise AdapterError(name, f"{key} is not supported")
+    targets = raw.get("target_modules") or ()
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    rank = int(raw.get("r", 8))
+    return AdapterConfig(
+        rank=rank,
+        alpha=float(raw.get("lora_alpha", rank)),
+        rslora=bool(raw.get("use_rslora", False)),
+        base_model=raw.get("base_model_name_or_path") or None,
+        target_modules=targets,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """One adapter in host memory, fused as the model is: per layer, per projection, ``(A, B)`` with
+    ``A [r, in]`` and ``B [out, r]`` (scale folded into B), ``r <= rank_room(projection)``."""
+
+    name: str
+    rank: int  # the largest module rank
+    layers: tuple[Mapping[str, tuple[torch.Tensor, torch.Tensor]], ...]
+
+    @property
+    def projections(self) -> frozenset[str]:
+        return frozenset(p for layer in self.layers for p in layer)
+
+
+def projection_shapes(args: ModelArgs) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Projection -> (its input size, its modules' output sizes in fused order)."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    inter = args.intermediate_size
+    return {
+        "qkv": (args.hidden_size, (q, kv, kv)),
+        "o": (q, (args.hidden_size,)),
+        "gate_up": (args.hidden_size, (inter, inter)),
+        "down": (inter, (args.hidden_size,)),
+    }
+
+
+def load_adapter(
+    name: str,
+    path: str | Path,
+    args: ModelArgs,
+    supported: frozenset[str],
+    max_rank: int,
+    base_names: Sequence[str] = (),
+    dtype: torch.dtype = torch.float32,
+) -> LoraAdapter:
+    """Read a PEFT adapter directory for a model of ``args`` whose adaptable projections are
+    ``supported``; raises ``AdapterError`` naming the adapter and the reason: a rank above
+    ``max_rank``, a base model named otherwise than ``base_names`` (compared by last path part), a
+    module this model cannot adapt, a weight whose shape is not this model's."""
+    from safetensors.torch import load_file  # only where adapters are served
+
+    path = Path(path)
+    config = read_adapter_config(name, path)
+    if config.rank > max_rank:
+        raise AdapterError(name, f"rank {config.rank} exceeds max_lora_rank={max_rank}")
+    _check_base(name, config.base_model, base_names)
+    file = path / WEIGHTS_FILE
+    if not file.is_file():
+        raise AdapterError(name, f"no {WEIGHTS_FILE} in {path} (only safetensors adapters are read)")
+    pairs = _module_pairs(name, load_file(str(file)), args.n_layers)
+    shapes = projection_shapes(args)
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(args.n_layers)]
+    top_rank = 0
+    for layer, by_module in enumerate(pairs):
+        grouped: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for module, (a, b) in by_module.items():
+            projection, index = MODULES[module]
+            if projection not in supported:
+                raise AdapterError(name, f"target module {module} cannot be adapted on this model")
+            d_in, outs = shapes[projection]
+            rank = a.shape[0]
+            if a.shape != (rank, d_in) or b.shape != (outs[index], rank):
+                raise AdapterError(
+                    name,
+                    f"layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit "
+                    f"the base model's {module} ({outs[index]} x {d_in}): another base model?",
+                )
+            if rank > max_rank:
+                raise AdapterError(name, f"{module} rank {rank} exceeds max_lora_rank={max_rank}")
+            top_rank = max(top_rank, rank)
+            grouped.setdefault(projection, {})[index] = (a.float(), b.float() * config.scale(rank))
+        for projection, modules in grouped.items():
+            layers[layer][projection] = _fuse(modules, shapes[projection], dtype)
+    if top_rank == 0:
+        raise AdapterError(name, f"{WEIGHTS_FILE} holds no LoRA weights")
+    return LoraAdapter(name, top_rank, tuple(layers))
+
+
+def _check_base(name: str, base: str | None, base_names: Sequence[str]) -> None:
+    """Names are compared by their last path part (``org/Model`` and a local ``.../Model`` are the
+    same). Nothing to compare (no name on either side) is no mismatch; shapes are checked whatever
+    the names say."""
+    known = {Path(str(n).rstrip("/")).name for n in base_names if n}
+    if base and known and Path(base.rstrip("/")).name not in known:
+        message = f"base_model_name_or_path {base!r} is not the served model ({sorted(known)})"
+        raise AdapterError(name, message)
+
+
+def _module_pairs(
+    name: str, tensors: Mapping[str, torch.Tensor], n_layers: int
+) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    halves: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(n_layers)]
+    for key, tensor in tensors.items():
+        match = _KEY.search(key)
+        if match is None:
+            raise AdapterError(name, f"weight {key} is not a LoRA weight of a module this engine adapts")
+        layer, module, half = int(match[1]), match[2], match[3]
+        if module not in MODULES:
+            raise AdapterError(name, f"target module {module} cannot be adapted by the CPU engine")
+        if layer >= n_layers:
+            raise AdapterError(name, f"weight {key} is for layer {layer}; the base model has {n_layers}")
+        halves[layer].setdefault(module, {})[half] = tensor
+    pairs: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+    for layer, modules in enumerate(halves):
+        pairs.append({})
+        for module, ab in modules.items():
+            if set(ab) != {"A", "B"}:
+                raise AdapterError(name, f"layer {layer} {module} lacks lora_{'A' if 'A' not in ab else 'B'}")
+            pairs[layer][module] = (ab["A"], ab["B"])
+    return pairs
+
+
+def _fuse(
+    modules: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+    shape: tuple[int, tuple[int, ...]],
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One projection's modules as one (A, B): A's stacked along the rank, B's block-diagonal."""
+    d_in, outs = shape
+    rank = sum(a.shape[0] for a, _ in modules.values())
+    a_all = torch.zeros(rank, d_in)
+    b_all = torch.zeros(sum(outs), rank)
+    col = 0
+    for index in sorted(modules):
+        a, b = modules[index]
+        row, r = sum(outs[:index]), a.shape[0]
+        a_all[col : col + r] = a
+        b_all[row : row + outs[index], col : col + r] = b
+        col += r
+    return a_all.to(dtype), b_all.to(dtype)
+
+
+class LoraSlots:
+    """``n_slots`` adapters resident beside the model: per layer and adaptable projection, ``A
+    [n_slots, R, in]`` and ``B [n_slots, out, R]``, ``R = max_rank x`` the projection's module count.
+
+    Invariant: a slot holds one adapter's weights zero-padded to ``R``, or zeros (free); writing a
+    slot touches no other, so lines of the other slots run unchanged while an adapter moves in.
+    """
+
+    def __init__(
+        self, args: ModelArgs, projections: frozenset[str], n_slots: int, max_rank: int, dtype: torch.dtype
+    ) -> None:
+        if n_slots < 1 or max_rank < 1:
+            raise ValueError(f"LoRA needs max_loras >= 1 and max_lora_rank >= 1, got {n_slots}, {max_rank}")
+        self.n_slots, self.max_rank, self.projections = n_slots, max_rank, projections
+        shapes = projection_shapes(args)
+        self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        for _ in range(args.n_layers):
+            layer = {}
+            for projection in sorted(projections):
+                d_in, outs = shapes[projection]
+                room = max_rank * len(outs)
+                layer[projection] = (
+                    torch.zeros(n_slots, room, d_in, dtype=dtype),
+                    torch.zeros(n_slots, sum(outs), room, dtype=dtype),
+                )
+            self.layers.append(layer)
+
+    def write(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Put ``adapter`` into ``slot`` (None: clear it)."""
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"LoRA slot {slot} outside [0, {self.n_slots})")
+        for i, layer in enumerate(self.layers):
+            given = adapter.layers[i] if adapter is not None else {}
+            for projection, (a_slots, b_slots) in layer.items():
+                a_slots[slot].zero_()
+                b_slots[slot].zero_()
+                if projection in given:
+                    a, b = given[projection]
+                    a_slots[slot, : a.shape[0]] = a
+                    b_slots[slot, :, : b.shape[1]] = b
+
+    def batch(self, line_slots: Sequence[int | None]) -> LoraBatch | None:
+        """The forward's adapter inputs for lines using ``line_slots`` (None: no adapter); None when
+        no line is adapted (the model then does no LoRA work at all)."""
+        by_slot: dict[int, list[int]] = {}
+        for line, slot in enumerate(line_slots):
+            if slot is not None:
+                by_slot.setdefault(slot, []).append(line)
+        if not by_slot:
+            return None
+        groups = tuple((s, torch.tensor(lines, dtype=torch.long)) for s, lines in sorted(by_slot.items()))
+        return LoraBatch(groups, self)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraBatch:
+    """Which lines (dim 0 of every activation) use which slot, for one forward."""
+
+    groups: tuple[tuple[int, torch.Tensor], ...]
+    slots: LoraSlots
+
+    def layer(self, index: int) -> LayerLora:
+        return LayerLora(self.groups, self.slots.layers[index])
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLora:
+    """One layer's share of a ``LoraBatch``: the line groups and that layer's stacked weights."""
+
+    groups: tuple[tuple[int, torch.Tensor], ...]
+    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora: LayerLora | None, projection: str) -> torch.Tensor:
+    """``y`` (``[lines, T, out]``, the base projection of ``x`` ``[lines, T, in]``) plus each adapted
+    line's ``(x A^T) B^T`` for its slot; ``y`` itself where nothing is adapted."""
+    if lora is None or projection not in lora.weights:
+        return y
+    a_slots, b_slots = lora.weights[projection]
+    for slot, lines in lora.groups:
+        delta = (x.index_select(0, lines) @ a_slots[slot].T) @ b_slots[slot].T
+        y = y.index_add(0, lines, delta.to(y.dtype))
+    return y
