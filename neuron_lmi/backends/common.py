@@ -94,6 +94,8 @@ def rolling_batch_engine(
         tokenizer,
         eos_ids_for(config, tokenizer),
         cfg.batching.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS,
+        # Refused at start-up, naming the key, where the runner cannot verify drafts.
+        speculative=cfg.batching.speculative_config,
     )
     return AsyncEngine(
         core,

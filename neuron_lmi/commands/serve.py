@@ -64,6 +64,11 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="option.enforce_eager: no compiled graphs (CPU: decode and prefill eagerly)",
     )
+    p.add_argument(
+        "--speculative-config",
+        help='option.speculative_config: JSON, vLLM\'s names, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (CPU engine: ngram)',
+    )
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also NEURON_LMI_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, help="refuse larger request bodies with 413")
     p.add_argument("--grace-period-s", type=float, help="how long SIGTERM waits for in-flight requests")

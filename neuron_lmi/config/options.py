@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from neuron_lmi.config.dtypes import canonical_dtype
+from neuron_lmi.config.speculative import SpeculativeConfig, parse_speculative_config
 
 DEFAULT_MODEL = "smollm2"  # the built-in model every command and engine serves when none is named
 
@@ -188,6 +189,14 @@ class BatchingOptions(_Section):
     context_length_estimate: tuple[int, ...] | None = None
     max_queue_size: int = Field(default=DEFAULT_MAX_QUEUE_SIZE, ge=1)
     max_prefill_tokens: int | None = Field(default=None, ge=1)
+    # vLLM's speculative_config (JSON, vLLM's names): n-gram prompt lookup on the CPU engine
+    # (docs/speculative-decoding.md); None decodes one token per step.
+    speculative_config: SpeculativeConfig | None = None
+
+    @field_validator("speculative_config", mode="plain")
+    @classmethod
+    def _speculative(cls, value: Any) -> SpeculativeConfig | None:
+        return parse_speculative_config(value)
 
     @field_validator("rolling_batch", mode="before")
     @classmethod

@@ -14,11 +14,13 @@ from neuron_lmi.config.keys import BY_LMI, KEYS
 from neuron_lmi.config.options import ROLLING_BATCH_REQUESTS
 from neuron_lmi.config.sources import Origin
 
-# Shared keys vLLM reads itself when it serves: LMI's option.quantize is vLLM's quantization, and
-# option.enforce_eager is vLLM's own switch (ours turns off the CPU engine's compiled graphs).
+# Shared keys vLLM reads itself when it serves: LMI's option.quantize is vLLM's quantization,
+# option.enforce_eager is vLLM's own switch (ours turns off the CPU engine's compiled graphs), and
+# option.speculative_config is vLLM's own (ours runs its ngram method in our engine).
 VLLM_RELEASED_FIELDS = (
     "quantize",
     "enforce_eager",
+    "speculative_config",
     # LoRA: the CPU engine's settings and vLLM's engine arguments of the same names.
     "enable_lora",
     "max_loras",

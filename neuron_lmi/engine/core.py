@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any
 
 import torch
 
 from neuron_lmi.config.options import DEFAULT_MAX_PREFILL_TOKENS
+from neuron_lmi.config.speculative import SpeculativeConfig
 from neuron_lmi.engine.admission import Admission, AdmissionLimits, ValidRequest
 from neuron_lmi.engine.device_sampling import host_field, line_sampling
 from neuron_lmi.engine.grammar import GrammarCompiler
@@ -31,6 +33,7 @@ from neuron_lmi.engine.scheduler import (
     Scheduler,
     WholePrompts,
 )
+from neuron_lmi.engine.speculation import Speculator, check_speculation, verify, verify_tokens
 from neuron_lmi.engine.step_clock import ForwardTimer
 from neuron_lmi.engine.types import (
     EngineStats,
@@ -57,7 +60,9 @@ class EngineCore:
     chunked prefill (``ChunkedPrefill``: ``DEFAULT_STEP_TOKENS`` per step shared with the decodes)
     and prefix reuse (a finished row retains its K/V until reallocated); elsewhere whole prompts
     within ``max_prefill_tokens``. The scheduler turns the capabilities into the step's batches
-    (one mixed batch, or one per kind).
+    (one mixed batch, or one per kind). With ``speculative`` (``option.speculative_config``),
+    decoding rows verify n-gram drafts (``engine.speculation``); a runner that cannot verify
+    several tokens per row (``RunnerCapabilities.max_verify_tokens``) is refused here, at start-up.
 
     ``adapters`` (with a runner whose ``capabilities.lora``): the LoRA adapters it serves. A request
     holds its adapter from ``request_of`` until it finishes; the scheduler gives it a slot when it
@@ -73,6 +78,7 @@ class EngineCore:
         prefill: PrefillPolicy | None = None,
         prefix_reuse: bool = True,
         adapters: AdapterTable | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.runner = runner
         self.capabilities = capabilities = capabilities_of(runner)
@@ -103,7 +109,13 @@ class EngineCore:
             )
         prefix = PrefixIndex(runner.rows) if extend and prefix_reuse else None
         prefill = prefill or WholePrompts(max_prefill_tokens)
-        self.scheduler = Scheduler(max_prefill_tokens, prefill, prefix, runner.rows, capabilities, adapters)
+        self.speculator: Speculator | None = None
+        if speculative is not None:
+            check_speculation(speculative, capabilities, type(runner).__name__)
+            self.speculator = Speculator(speculative, verify_tokens(capabilities), runner.n_positions)
+        self.scheduler = Scheduler(
+            max_prefill_tokens, prefill, prefix, runner.rows, capabilities, adapters, self.speculator
+        )
         self.requests: dict[str, Request] = {}
         self.steps = 0
 
@@ -214,21 +226,28 @@ class EngineCore:
                 return []
             return [e for i in lines for e in self._run(batch.line(i), [requests[i]])]
         try:
-            logits, tokens, sampled = *self._forward(batch, requests), requests
-            if not all(batch.samples):  # a non-final prompt chunk samples nothing
-                keep = [i for i, s in enumerate(batch.samples) if s]
+            logits, tokens = self._forward(batch, requests)
+            logits, spans = _speculative_lines(batch, logits)
+            sampled = requests
+            if spans or not all(batch.samples):  # a non-final prompt chunk samples nothing
+                keep = [i for i, s in enumerate(batch.samples) if s and i not in spans]
                 sampled = [requests[i] for i in keep]
                 logits = logits[keep] if logits is not None else None
                 tokens = tokens[keep] if tokens is not None else None
-                if not sampled:
-                    return []
-            out = self._sample(logits, tokens, sampled)
+            out = self._sample(logits, tokens, sampled) if sampled else None
+            drawn = {i: verify(span, batch.chunks[i][1:], requests[i]) for i, span in spans.items()}
         except Exception as exc:  # one failed batch must not take the engine down
             if batch.kind is not BatchKind.DECODE and len(batch) > 1:
                 return [e for i, r in enumerate(requests) for e in self._run(batch.line(i), [r])]
             log.exception("model step failed for %d request(s)", len(requests))
             return [self._fail(r, exc) for r in requests]
-        events = []
+        events = [
+            e
+            for i, emitted in drawn.items()
+            for e in self._accept_draft(requests[i], batch.starts[i], batch.chunks[i][1:], emitted, spans[i])
+        ]
+        if out is None:
+            return events
         for i, request in enumerate(sampled):
             top = tuple(
                 TopToken(t, "", lp) for t, lp in zip(out.top_ids[i], out.top_logprobs[i], strict=True)
@@ -240,6 +259,27 @@ class EngineCore:
                 events.append(self._fail(request, exc))
                 continue
             events.append(self._accept(request, out.tokens[i], out.logprobs[i], top, prompt))
+        return events
+
+    def _accept_draft(
+        self, request: Request, start: int, drafts: Sequence[int], emitted: list[int], logits: torch.Tensor
+    ) -> list[TokenEvent]:
+        """Apply a verified line: its row keeps the last token and the accepted drafts (the rejected
+        ones' K/V is cut off), then each emitted token is accepted in turn, so an EOS, a stop id or
+        ``max_new_tokens`` inside the run ends it exactly there."""
+        accepted = len(emitted) - 1
+        self.speculator.observe(request, len(drafts), accepted)  # type: ignore[union-attr]
+        self.runner.rows.set_length(request.row, start + 1 + accepted)  # type: ignore[arg-type]
+        if request.params.logprobs:
+            chosen = torch.tensor(emitted)[:, None]
+            logprobs = torch.log_softmax(logits[: len(emitted)], dim=-1).gather(1, chosen)[:, 0].tolist()
+        else:
+            logprobs = [0.0] * len(emitted)
+        events = []
+        for token, logprob in zip(emitted, logprobs, strict=True):
+            events.append(self._accept(request, token, logprob, ()))
+            if request.status is Status.FINISHED:
+                break
         return events
 
     def _forward(
@@ -374,7 +414,21 @@ class EngineCore:
             waiting=len(self.scheduler.waiting),
             running=len(self.scheduler.running),
             alive=alive,
+            extra=self.speculator.counters.extra() if self.speculator is not None else {},
         )
+
+
+def _speculative_lines(
+    batch: StepBatch, logits: torch.Tensor | None
+) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+    """A forward's logits as one row per line (each line's last position), and for each speculative
+    line (``StepBatch.logit_counts`` above 1) the logits of all its positions."""
+    if not batch.logit_counts or logits is None:
+        return logits, {}
+    ends = list(accumulate(batch.logit_counts))
+    counts = enumerate(zip(ends, batch.logit_counts, strict=True))
+    spans = {i: logits[end - n : end] for i, (end, n) in counts if n > 1}
+    return logits[[end - 1 for end in ends]], spans
 
 
 def _closing_event(request: Request, reason: FinishReason, error: str | None = None) -> TokenEvent:

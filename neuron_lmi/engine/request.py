@@ -28,7 +28,8 @@ class Request:
     Invariants: ``row`` is set exactly while ``status`` is RUNNING; ``prefilled`` counts the prompt
     tokens whose K/V are in the row (computed or reused), and no token is sampled before it reaches
     ``len(prompt_ids)``; ``output_ids`` and ``logprobs`` grow together; once FINISHED,
-    ``finish_reason`` is set and nothing changes.
+    ``finish_reason`` is set and nothing changes. ``spec_misses`` and ``spec_pause`` are its
+    speculative-decoding back-off (``engine.speculation.Speculator``).
     """
 
     request_id: str
@@ -43,6 +44,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    spec_misses: int = 0  # drafts in a row with nothing accepted
+    spec_pause: int = 0  # decode steps left without drafts
     # The LoRA adapter's registration id while the request holds it (``engine.lora``; None: the base
     # model), and the runner slot it runs in while it holds a row.
     adapter_id: int | None = None

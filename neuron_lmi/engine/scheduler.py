@@ -12,7 +12,9 @@ tokens; ``Scheduler.finish`` releases a row, retaining its prefix. Two small pol
   decodes; prompts are split into chunks, so a burst of long prompts never freezes the streams);
 * ``PrefixIndex`` (``engine.prefix``) — which cached prefix a new prompt can start from;
 * ``AdapterTable`` (``engine.lora``) — the runner's LoRA slots: a request with an adapter is
-  admitted once its adapter has a slot (``pin``), and each batch carries its lines' slots.
+  admitted once its adapter has a slot (``pin``), and each batch carries its lines' slots;
+* ``Speculator`` (``engine.speculation``) — which draft tokens a decoding row verifies this step
+  (speculative decoding: the decode becomes the verify line ``[last token, d1..dk]``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from cache_api import RowTable
 from neuron_lmi.engine.lora import AdapterTable
 from neuron_lmi.engine.prefix import PrefixHit, PrefixIndex
 from neuron_lmi.engine.request import Request, Status
+from neuron_lmi.engine.speculation import Speculator
 from neuron_lmi.runners.base import BatchKind, RunnerCapabilities, StepBatch
 
 # Tokens one step takes (decodes + prompt chunks) under ChunkedPrefill. 512 against 256 and 1,024, on
@@ -61,12 +64,14 @@ class PrefillChunk:
 class SchedulerOutput:
     """``prefill``: new requests to place into free rows. ``chunks``: prompt spans computed this step
     (new requests' first chunks included); a final chunk yields the request's first token.
-    ``decode``: running requests that get one token this step. New rows are inserted while the
-    others keep decoding (the KV-row API); nothing already in a row is computed again."""
+    ``decode``: running requests that get one token this step, or with a draft in ``drafts`` up to
+    ``len(draft) + 1`` (speculative decoding). New rows are inserted while the others keep decoding
+    (the KV-row API); nothing already in a row is computed again."""
 
     prefill: list[Request] = field(default_factory=list)
     chunks: list[PrefillChunk] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
+    drafts: dict[Request, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -141,7 +146,8 @@ class Scheduler:
     least one prompt makes progress whenever one is pending and a row is free; a request decodes
     only once its whole prompt is in its row. ``schedule`` advances ``Request.prefilled`` to the end
     of each planned chunk (the engine fails a request whose step fails). With ``rows`` (the
-    runner's table) it also owns placement and release: a RUNNING request holds one row.
+    runner's table) it also owns placement and release: a RUNNING request holds one row. With a
+    ``speculator``, a decoding row may verify a draft; its tokens count against the step's budget.
     """
 
     def __init__(
@@ -152,6 +158,7 @@ class Scheduler:
         rows: RowTable | None = None,
         capabilities: RunnerCapabilities | None = None,
         adapters: AdapterTable | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         if max_prefill_tokens <= 0:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
@@ -161,6 +168,7 @@ class Scheduler:
         self.rows = rows
         self.capabilities = capabilities or RunnerCapabilities()
         self.adapters = adapters
+        self.speculator = speculator
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._failed: list[tuple[Request, Exception]] = []  # refused while admitting (an adapter's read)
@@ -170,7 +178,8 @@ class Scheduler:
 
     def schedule(self, free_rows: int) -> SchedulerOutput:
         decoding = [r for r in self.running if r.prompt_done]
-        budget = self.prefill.budget(len(decoding))
+        drafts = self._drafts(decoding)
+        budget = self.prefill.budget(len(decoding) + sum(map(len, drafts.values())))
         chunks: list[PrefillChunk] = []
         for request in self.running:
             if request.prompt_done:
@@ -181,13 +190,19 @@ class Scheduler:
             chunks.append(PrefillChunk(request, request.prefilled, request.prefilled + n))
             budget -= n
         admitted = self._admit(free_rows, budget, chunks)
-        decision = SchedulerOutput(prefill=admitted, chunks=chunks, decode=decoding)
+        decision = SchedulerOutput(prefill=admitted, chunks=chunks, decode=decoding, drafts=drafts)
         for chunk in chunks:
             chunk.request.prefilled = chunk.end
         for request in admitted:
             request.status = Status.RUNNING
             self.running.append(request)
         return decision
+
+    def _drafts(self, decoding: list[Request]) -> dict[Request, tuple[int, ...]]:
+        speculator = self.speculator
+        if speculator is None:
+            return {}
+        return {r: draft for r in decoding if (draft := speculator.draft(r))}
 
     def _admit(self, free_rows: int, budget: int, chunks: list[PrefillChunk]) -> list[Request]:
         admitted: list[Request] = []
@@ -267,26 +282,37 @@ class Scheduler:
         """One EXTEND batch where the runner mixes steps and the step fits one forward
         (``RunnerCapabilities.mixed_limits``); otherwise one batch per kind: new prompts (in the
         EXTEND batch where ``prefill_as_extend``), continued chunks, decodes (first where every live
-        row must step together, ``live_rows_step_together``)."""
+        row must step together, ``live_rows_step_together``).
+
+        A decode with a draft is a verify line, which wants the logits of all its positions
+        (``StepBatch.logit_counts``): it rides in the mixed batch only where the runner's mixed
+        forward returns them (``mixed_verify``), within the same limits; otherwise the step's verify
+        lines come as an EXTEND batch of their own, right after the decodes."""
         capabilities = self.capabilities
-        decode = [_decode_line(r) for r in decision.decode]
-        if capabilities.mixed_steps and (chunks or decode):
-            lines = [_chunk_line(c) for c in chunks] + decode
+        lines = [_decode_line(r, decision.drafts.get(r, ())) for r in decision.decode]
+        decode = [line for line in lines if len(line[2]) == 1]
+        verify = [line for line in lines if len(line[2]) > 1]
+        if capabilities.mixed_steps:
+            riding, apart = (lines, []) if capabilities.mixed_verify else (decode, verify)
+            mixed = [_chunk_line(c) for c in chunks] + riding
             limits = capabilities.mixed_limits
-            if limits is None or limits.fits([line[1] for line in lines], [len(line[2]) for line in lines]):
-                return [_batch(BatchKind.EXTEND, lines, decodes=len(decode))]
+            if mixed and (
+                limits is None or limits.fits([line[1] for line in mixed], [len(line[2]) for line in mixed])
+            ):
+                verifies = len(riding) > len(decode)
+                return [_batch(BatchKind.EXTEND, mixed, len(riding), verifies), *_verify_batches(apart)]
         batches = []
         decode_first = capabilities.live_rows_step_together or capabilities.mixed_steps
-        if decode and decode_first:
-            batches.append(_batch(BatchKind.DECODE, decode, len(decode)))
+        if decode_first:
+            batches += _decode_batches(decode, verify)
         fresh = [_chunk_line(c) for c in chunks if c.start == 0 and not capabilities.prefill_as_extend]
         more = [_chunk_line(c) for c in chunks if c.start > 0 or capabilities.prefill_as_extend]
         if fresh:
             batches.append(_batch(BatchKind.PREFILL, fresh))
         if more:
             batches.append(_batch(BatchKind.EXTEND, more))
-        if decode and not decode_first:
-            batches.append(_batch(BatchKind.DECODE, decode, len(decode)))
+        if not decode_first:
+            batches += _decode_batches(decode, verify)
         return batches
 
     def finish(self, request: Request, keep_prefix: bool) -> None:
@@ -294,7 +320,10 @@ class Scheduler:
         the row retains the K/V of what it holds for later prompts."""
         if request.row is not None:
             rows, prefix = self._table(), self.prefix
-            keep = rows.length(request.row) if prefix is not None and keep_prefix else 0
+            # A speculative step may leave K/V past the last token it accepted (the tokens after an
+            # EOS inside an accepted draft): only positions that hold the request's ids are kept.
+            held = min(rows.length(request.row), len(request.all_ids))
+            keep = held if prefix is not None and keep_prefix else 0
             if keep < (prefix.min_tokens if prefix is not None else 1):
                 keep = 0
             rows.remove(request.row, keep)
@@ -324,13 +353,34 @@ def _chunk_line(chunk: PrefillChunk) -> _Line:
     return (chunk.request, chunk.start, chunk.tokens, chunk.final)
 
 
-def _decode_line(request: Request) -> _Line:
-    """A decode as a line: the request's newest token, after every position its row holds."""
-    return (request, len(request.prompt_ids) + len(request.output_ids) - 1, (request.last_token,), True)
+def _decode_line(request: Request, draft: tuple[int, ...] = ()) -> _Line:
+    """A decode as a line: the request's newest token (and its draft), after every position its
+    row holds."""
+    start = len(request.prompt_ids) + len(request.output_ids) - 1
+    return (request, start, (request.last_token, *draft), True)
 
 
-def _batch(kind: BatchKind, lines: list[_Line], decodes: int = 0) -> tuple[StepBatch, list[Request]]:
+def _decode_batches(decode: list[_Line], verify: list[_Line]) -> list[tuple[StepBatch, list[Request]]]:
+    """The plain decodes as a DECODE batch, then the verify lines as an EXTEND batch."""
+    batches = [_batch(BatchKind.DECODE, decode, len(decode))] if decode else []
+    return batches + _verify_batches(verify)
+
+
+def _verify_batches(verify: list[_Line]) -> list[tuple[StepBatch, list[Request]]]:
+    """The verify lines (decodes with a draft) as an EXTEND batch of their own, if any."""
+    return [_batch(BatchKind.EXTEND, verify, len(verify), verifies=True)] if verify else []
+
+
+def _batch(
+    kind: BatchKind, lines: list[_Line], decodes: int = 0, verifies: bool = False
+) -> tuple[StepBatch, list[Request]]:
+    """The batch of ``lines``; with ``verifies``, each decode line (the ``decodes`` last) wants the
+    logits of all its positions, every other line those of its last."""
     requests = [line[0] for line in lines]
+    counts = ()
+    if verifies:
+        first_decode = len(lines) - decodes
+        counts = tuple(len(line[2]) if i >= first_decode else 1 for i, line in enumerate(lines))
     batch = StepBatch(
         kind,
         tuple(r.row for r in requests),  # type: ignore[misc]
@@ -338,6 +388,7 @@ def _batch(kind: BatchKind, lines: list[_Line], decodes: int = 0) -> tuple[StepB
         tuple(line[2] for line in lines),
         tuple(line[3] for line in lines),
         decodes,
+        logit_counts=counts,
     )
     return batch, requests
 

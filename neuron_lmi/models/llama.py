@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import ClassVar
 
@@ -454,13 +454,16 @@ class LlamaForCausalLM(nn.Module):
         v_cache: torch.Tensor,
         attn_len: int,
         lora: LoraBatch | None = None,
+        last: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Append right-padded chunks ``tokens`` [n, T] to ``rows``, which hold ``starts`` positions.
 
         Row i's chunk fills positions ``starts[i] .. starts[i] + lengths[i] - 1``, attending causally
         over its cached prefix and itself (the sliding window respected); returns the logits of each
-        chunk's last token [n, vocab]. ``attn_len`` >= every ``starts[i] + lengths[i]``. ``lora``:
-        which lines run with which resident adapter (``models.lora``; None: none).
+        chunk's last token [n, vocab], or with ``last`` those of each chunk's last ``last[i]`` tokens
+        in order, ``[sum(last), vocab]`` (a speculative decode's verification).
+        ``attn_len`` >= every ``starts[i] + lengths[i]``. ``lora``: which lines run with which
+        resident adapter (``models.lora``; None: none).
         """
         n, t = tokens.shape
         lengths_t = torch.tensor(lengths, dtype=torch.long)
@@ -481,7 +484,13 @@ class LlamaForCausalLM(nn.Module):
                 x = layer.extend_step(x, k_cache[i], v_cache[i], step)
             else:
                 x = layer.extend_step(x, k_cache[i], v_cache[i], step, lora.layer(i))
-        return self.logits(x[torch.arange(n), lengths_t - 1])
+        if last is None:
+            return self.logits(x[torch.arange(n), lengths_t - 1])
+        # Only the wanted positions go through the final norm and the vocabulary projection.
+        counts = torch.tensor(list(last), dtype=torch.long)
+        lines = torch.arange(n).repeat_interleave(counts)
+        offsets = torch.arange(len(lines)) - (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)
+        return self.logits(x[lines, (lengths_t - counts).repeat_interleave(counts) + offsets])
 
     def lora_projections(self) -> frozenset[str]:
         """The projections an adapter may adapt in every layer (none where a layer cannot extend)."""

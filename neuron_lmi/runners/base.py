@@ -34,13 +34,16 @@ class BatchKind(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class StepBatch:
     """One forward's worth of work: line ``i`` writes ``chunks[i]`` into ``rows[i]`` from position
-    ``starts[i]`` and yields the logits of its last token.
+    ``starts[i]`` and yields the logits of its last ``logit_counts[i]`` tokens (its last token
+    where ``logit_counts`` is empty, as in every batch without speculation).
 
     Invariants: rows are distinct and allocated; ``starts[i] + len(chunks[i]) <= n_positions``;
     ``samples[i]`` says whether the engine samples line ``i`` (a prompt chunk that is not its
     prompt's last samples nothing); ``decodes`` counts the lines that are a row's decode (what the
-    step clock reports as the batch size). The runner writes rows from ``starts``, whatever lengths
-    they hold, so a failed batch can be sent again line by line.
+    step clock reports as the batch size). ``logit_counts`` is empty or one count per line, each in
+    ``1 .. len(chunks[i])``, and only in EXTEND batches: a speculative decode (``[last token, d1..dk]``)
+    is verified from the logits of all its ``k + 1`` positions. The runner writes rows from
+    ``starts``, whatever lengths they hold, so a failed batch can be sent again line by line.
 
     ``adapters``: the LoRA slot of each line (None for a line of the base model), or None when no
     line is adapted: the common case, which a runner takes without looking at adapters at all. Only
@@ -54,19 +57,33 @@ class StepBatch:
     samples: tuple[bool, ...]
     decodes: int = 0
     adapters: tuple[int | None, ...] | None = None
+    logit_counts: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        counts = self.logit_counts
+        if counts and (self.kind is not BatchKind.EXTEND or len(counts) != len(self.rows)):
+            raise ValueError(f"logit_counts {counts} need an EXTEND batch with one count per line")
+        if any(not 1 <= n <= len(c) for n, c in zip(counts, self.chunks, strict=False)):
+            raise ValueError(f"logit_counts {counts} must each be in 1 .. the line's chunk length")
 
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def n_logits(self) -> int:
+        """Rows of logits ``forward`` returns: one per line, or ``sum(logit_counts)``."""
+        return sum(self.logit_counts) if self.logit_counts else len(self.rows)
+
     def line(self, i: int) -> StepBatch:
         """Line ``i`` alone, as a batch of its own kind (a failed batch's retry)."""
         one = self.chunks[i]
-        decodes = 1 if self.kind is BatchKind.DECODE or (self.decodes and len(one) == 1) else 0
+        counts = (self.logit_counts[i],) if self.logit_counts else ()
+        verifies = bool(counts) and counts[0] > 1  # a speculative decode
+        decodes = 1 if self.kind is BatchKind.DECODE or (self.decodes and (len(one) == 1 or verifies)) else 0
         slot = self.adapters[i] if self.adapters is not None else None
         adapters = (slot,) if slot is not None else None
-        return StepBatch(
-            self.kind, (self.rows[i],), (self.starts[i],), (one,), (self.samples[i],), decodes, adapters
-        )
+        rows, starts, samples = (self.rows[i],), (self.starts[i],), (self.samples[i],)
+        return StepBatch(self.kind, rows, starts, (one,), samples, decodes, adapters, counts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +167,13 @@ class RunnerCapabilities:
     (None: any; prompts longer are split into chunks, which needs ``extend``); ``mixed_limits``,
     what one mixed EXTEND batch holds (None: any step); ``prefill_as_extend``, new prompts go in
     EXTEND batches from position 0 (a runner whose fast path is its extend graph), not PREFILL.
+
+    Speculative decoding: ``max_verify_tokens``, the most trailing positions of one EXTEND line
+    whose logits ``forward`` returns (``StepBatch.logit_counts``), so a row may verify up to
+    ``max_verify_tokens - 1`` draft tokens in one forward (0: the last position only, and no
+    speculation); ``mixed_verify``, a mixed EXTEND batch may carry such verify lines beside its
+    decodes and prompt chunks (its mixed forward returns all-position logits). Without it the
+    scheduler puts a step's verify lines in an EXTEND batch of their own.
     """
 
     extend: bool = False
@@ -162,6 +186,8 @@ class RunnerCapabilities:
     prefill_as_extend: bool = False
     lora_slots: int = 0
     lora_rank: int = 0
+    max_verify_tokens: int = 0
+    mixed_verify: bool = False
 
     @property
     def lora(self) -> bool:
@@ -176,13 +202,19 @@ class RunnerCapabilities:
             raise ValueError(f"max_chunk_tokens must be >= 1, got {self.max_chunk_tokens}")
         if self.mixed_limits is not None and not self.mixed_steps:
             raise ValueError("mixed_limits need mixed_steps")
+        if self.max_verify_tokens and not self.extend:
+            raise ValueError("max_verify_tokens needs extend: a verification is an EXTEND line")
+        if self.mixed_verify and not (self.mixed_steps and self.max_verify_tokens):
+            raise ValueError("mixed_verify needs mixed_steps and max_verify_tokens")
 
 
 class ModelRunner(Protocol):
     """One model step on one backend.
 
     Invariants: ``forward`` computes one ``StepBatch`` and returns fp32 logits
-    ``[len(batch), vocab]`` in the batch's line order, leaving each row ``starts[i] +
+    ``[batch.n_logits, vocab]`` in the batch's line order (one row per line; with
+    ``logit_counts``, line ``i``'s last ``logit_counts[i]`` positions in order, which only a runner
+    with ``capabilities.max_verify_tokens`` is sent), leaving each row ``starts[i] +
     len(chunks[i])`` positions long. ``copy`` (with ``capabilities.extend``) duplicates a row's
     first ``n`` positions into another allocated row; ``prompt_logits`` (with
     ``capabilities.prompt_logits``) scores a prompt without touching any row; ``forward_sampled``
@@ -211,14 +243,19 @@ class ModelRunner(Protocol):
 class ForwardByKind:
     """``forward`` for a runner written as ``prefill``/``decode`` (and ``extend``) methods: a batch
     goes to the method of its kind. An EXTEND batch first sets each row's length to its line's
-    start, which makes it idempotent (a failed batch is retried line by line)."""
+    start, which makes it idempotent (a failed batch is retried line by line). An EXTEND batch with
+    ``logit_counts`` goes whole to ``verify`` (only where ``capabilities.max_verify_tokens``); the
+    scheduler has already put its lines where the runner's capabilities say they go."""
 
     # What the subclass defines (annotations only, so a delegating wrapper's ``__getattr__`` still
-    # answers for them); ``extend`` only where ``capabilities.extend``.
+    # answers for them); ``extend`` only where ``capabilities.extend``, ``verify`` only where
+    # ``capabilities.max_verify_tokens``: ``verify(rows, chunks, logit_counts)`` is ``extend``
+    # returning the logits of each line's last ``logit_counts[i]`` positions.
     rows: RowTable
     prefill: Callable[[Sequence[int], Sequence[Sequence[int]]], torch.Tensor]
     decode: Callable[[Sequence[int], Sequence[int]], torch.Tensor]
     extend: Callable[[Sequence[int], Sequence[Sequence[int]]], torch.Tensor]
+    verify: Callable[[Sequence[int], Sequence[Sequence[int]], Sequence[int]], torch.Tensor]
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         if batch.kind is BatchKind.DECODE:
@@ -227,6 +264,8 @@ class ForwardByKind:
             return self.prefill(batch.rows, batch.chunks)
         for row, start in zip(batch.rows, batch.starts, strict=True):
             self.rows.set_length(row, start)
+        if batch.logit_counts:
+            return self.verify(batch.rows, batch.chunks, batch.logit_counts)
         return self.extend(batch.rows, batch.chunks)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from neuron_lmi.engine.protocol import Engine
@@ -53,6 +53,32 @@ EXTRA_GAUGES: dict[str, tuple[str, str]] = {
 }
 
 
+# Counters read from EngineStats.extra, under vLLM's names (vllm/v1/spec_decode/metrics.py), so a
+# dashboard built on vLLM's speculative-decoding series reads ours: metric -> (help, key).
+SPEC_DECODE_COUNTERS: dict[str, tuple[str, str]] = {
+    "vllm:spec_decode_num_drafts": ("Number of spec decoding drafts.", "spec_decode_num_drafts"),
+    "vllm:spec_decode_num_draft_tokens": ("Number of draft tokens.", "spec_decode_num_draft_tokens"),
+    "vllm:spec_decode_num_accepted_tokens": ("Number of accepted tokens.", "spec_decode_num_accepted_tokens"),
+}
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+PER_POSITION_KEY = "spec_decode_num_accepted_tokens_per_pos."  # + the draft position, from 0
+
+
+def spec_decode_metrics(extra: dict[str, float]) -> Iterable[Metric]:
+    """vLLM's spec_decode counters from an engine that speculates (none where it does not)."""
+    for name, (doc, key) in SPEC_DECODE_COUNTERS.items():
+        if key in extra:
+            yield CounterMetricFamily(name, doc, value=extra[key])
+    positions = {
+        k.removeprefix(PER_POSITION_KEY): v for k, v in extra.items() if k.startswith(PER_POSITION_KEY)
+    }
+    if positions:
+        family = CounterMetricFamily(PER_POSITION, "Accepted tokens per draft position.", labels=["position"])
+        for position, value in sorted(positions.items(), key=lambda kv: int(kv[0])):
+            family.add_metric([position], value)
+        yield family
+
+
 class EngineStatsCollector(Collector):
     """Turns one ``engine.stats()`` snapshot into gauges at each scrape."""
 
@@ -71,6 +97,7 @@ class EngineStatsCollector(Collector):
         for name, (doc, key) in EXTRA_GAUGES.items():
             if key in stats.extra:
                 yield GaugeMetricFamily(name, doc, value=float(stats.extra[key]))
+        yield from spec_decode_metrics(stats.extra)
         yield GaugeMetricFamily(
             "neuron_lmi_engine_alive", "1 while the engine loop runs", value=float(stats.alive)
         )

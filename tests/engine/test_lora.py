@@ -12,6 +12,8 @@ import torch
 
 from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.backends.cpu.lora import adapter_table
+from neuron_lmi.config.speculative import SpeculativeConfig
+from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.types import InvalidRequestError, SamplingParams, UnknownAdapterError
 from neuron_lmi.testing.lora import ATTENTION, MLP, make_tiny_adapter, merge_adapter, other_base
 
@@ -138,3 +140,27 @@ def test_refusals_name_the_adapter_and_reason(llm: LLM, tiny_llama_dir, adapters
     assert lora is not None
     with pytest.raises(ValueError, match=r"option.lora_modules: adapter 'big'"):  # at start-up
         adapter_table(replace(lora, modules=(("big", str(big)),)), llm.core.runner.model)
+
+
+def test_adapted_rows_verify_their_drafts_token_identical(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Speculation beside adapters: a verify batch with adapted lines runs the eager extend with
+    their slots and returns all their positions' logits, so greedy output is the output without
+    speculation, adapted and base rows alike."""
+    core = llm.core
+    forward, sent = core.runner.forward, []
+    monkeypatch.setattr(core.runner, "forward", lambda batch: sent.append(batch) or forward(batch))
+    ngram = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+    speculating = EngineCore(
+        core.runner, core.tokenizer, core.eos_token_ids, adapters=core.adapters, speculative=ngram
+    )
+    prompts = [p * 4 for p in random_prompts([7, 3, 5], seed=9)]  # the lookup drafts from the start
+    params = [SamplingParams(max_new_tokens=NEW_TOKENS, adapter=a) for a in ("qv", None, "all")]
+    expected = llm.generate(prompts, params)
+    got = LLM.from_core(speculating).generate(prompts, params)
+    for a, b in zip(expected, got, strict=True):
+        assert a.error is None and b.error is None
+        assert b.token_ids == a.token_ids
+    counters = speculating.speculator.counters  # type: ignore[union-attr]
+    assert counters.drafts > 0 and counters.accepted_tokens > 0
+    assert any(b.adapters and b.logit_counts for b in sent)  # adapted verify lines were sent
+    assert core.runner.rows.occupancy().rows_used == 0

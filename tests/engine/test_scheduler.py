@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 
 from cache_api import RowTable
+from neuron_lmi.config.speculative import SpeculativeConfig
 from neuron_lmi.engine.prefix import PrefixHit, PrefixIndex, common_prefix
 from neuron_lmi.engine.request import Request, Status
 from neuron_lmi.engine.scheduler import ChunkedPrefill, Scheduler, StepPlan, WholePrompts
+from neuron_lmi.engine.speculation import Speculator, check_speculation, verify_tokens
 from neuron_lmi.engine.types import SamplingParams
 from neuron_lmi.runners.base import BatchKind, MixedStepLimits, RunnerCapabilities
 
@@ -214,6 +216,117 @@ def test_a_runner_without_mixed_steps_gets_one_batch_per_kind(decode_first: bool
     assert by_kind[BatchKind.DECODE][0].decodes == 1 and by_kind[BatchKind.DECODE][0].starts == (10,)
 
 
+def repeating_req(name: str) -> Request:
+    """A request whose prompt repeats, so the n-gram lookup drafts from the first decode."""
+    return Request(name, [1, 2, 3, 4] * 3, SamplingParams(max_new_tokens=50), None)
+
+
+def speculating(capabilities: RunnerCapabilities) -> tuple[Scheduler, RowTable, Request, Request]:
+    """A scheduler whose step holds a decode with a 3-token draft (``drafting``: [1, 2, 3, 4] from
+    position 12) and a plain decode (``plain``: its ids never recur)."""
+    rows = RowTable(4, 256)
+    speculator = Speculator(SpeculativeConfig("ngram", 3, 1, 2), verify_tokens(capabilities), 256)
+    sched = Scheduler(4096, ChunkedPrefill(64, 8), None, rows, capabilities, speculator=speculator)
+    drafting, plain = repeating_req("drafting"), req("plain", 6)  # 0..5: nothing recurs
+    place_decoding(sched, rows, drafting, n_out=1)  # ids ... 3, 4, 7: [7] never occurred
+    drafting.output_ids[-1] = 1  # ids ... 3, 4, 1: after the earliest [4, 1] come 2, 3, 4
+    place_decoding(sched, rows, plain, n_out=1)
+    return sched, rows, drafting, plain
+
+
+@pytest.mark.parametrize("mixed", ["apart", "mixed", "mixed_verify"])
+def test_speculative_decodes_verify_their_drafts_in_an_extend_batch(mixed: str):
+    """A verify line rides in the mixed batch only where the runner's mixed forward returns the
+    logits of all its positions (``mixed_verify``); otherwise the step's verify lines are an EXTEND
+    batch of their own, after the plain decodes (a DECODE batch, or the mixed EXTEND batch)."""
+    capabilities = RunnerCapabilities(
+        extend=True, mixed_steps=mixed != "apart", max_verify_tokens=16, mixed_verify=mixed == "mixed_verify"
+    )
+    sched, _, drafting, plain = speculating(capabilities)
+    plan = sched.next_step()
+    assert plan.decision.drafts == {drafting: (2, 3, 4)}
+    verifying = [(b, r) for b, r in plan.batches if b.logit_counts]
+    ((batch, requests),) = verifying
+    assert batch.kind is BatchKind.EXTEND
+    line = requests.index(drafting)
+    assert batch.chunks[line] == (1, 2, 3, 4) and batch.starts[line] == 12 and batch.logit_counts[line] == 4
+    kinds = [b.kind for b, _ in plan.batches]
+    if mixed == "mixed_verify":  # one batch: the plain decode wants its last position only
+        assert len(plan.batches) == 1
+        assert requests == [drafting, plain] and batch.logit_counts == (4, 1) and batch.decodes == 2
+        return
+    assert requests == [drafting] and batch.logit_counts == (4,) and batch.decodes == 1
+    assert plan.batches[-1][0] is batch  # the verify lines come last
+    (first, firsts), _ = plan.batches
+    assert firsts == [plain] and first.chunks == ((7,),) and not first.logit_counts
+    assert kinds == [BatchKind.DECODE if mixed == "apart" else BatchKind.EXTEND, BatchKind.EXTEND]
+
+
+def test_verify_lines_in_a_mixed_step_keep_to_its_limits():
+    """With ``mixed_verify``, a verify line counts in ``mixed_limits`` like a prompt chunk (its
+    tokens and attention pairs): a step that fits is one batch; past them the plain decodes come as
+    a DECODE batch, the verify lines as an EXTEND batch, then the prompt chunks."""
+    limits = MixedStepLimits(tokens=12, pairs=None, end=256)
+    capabilities = RunnerCapabilities(
+        extend=True,
+        mixed_steps=True,
+        mixed_limits=limits,
+        prefill_as_extend=True,
+        max_verify_tokens=16,
+        mixed_verify=True,
+    )
+    sched, rows, drafting, plain = speculating(capabilities)
+    small = req("small", 7)  # 7 + 4 + 1 = 12 tokens: one forward
+    sched.add(small)
+    ((batch, requests),) = sched.next_step().batches
+    assert requests == [small, drafting, plain] and batch.logit_counts == (1, 4, 1)
+    assert batch.decodes == 2
+    rows.set_length(drafting.row, 13)  # what the engine leaves once [2] is rejected
+    drafting.output_ids.append(2)  # ids ... 3, 4, 1, 2: a draft again, [3, 4, 1]
+    plain.output_ids.append(8)
+    small.output_ids.append(9)
+    rows.set_length(small.row, 7)
+    rows.set_length(plain.row, len(plain.all_ids) - 1)
+    big = req("big", 8)  # 8 + 4 + 1 + 1 (small's first decode) = 14 tokens: past the limit
+    sched.add(big)
+    plan = sched.next_step()
+    assert [b.kind for b, _ in plan.batches] == [BatchKind.DECODE, BatchKind.EXTEND, BatchKind.EXTEND]
+    (decode, decoders), (verify, verifiers), (chunk, chunked) = plan.batches
+    assert set(decoders) == {plain, small} and decode.decodes == 2 and not decode.logit_counts
+    assert verifiers == [drafting] and verify.chunks == ((2, 3, 4, 1),) and verify.logit_counts == (4,)
+    assert chunked == [big] and not chunk.logit_counts and chunk.decodes == 0
+
+
+def test_a_draft_is_no_longer_than_one_forward_takes():
+    """``verify_tokens``: a verify line is within both ``max_verify_tokens`` and ``max_chunk_tokens``,
+    and speculation asking for more is refused at start-up, naming the key."""
+    capabilities = RunnerCapabilities(extend=True, max_chunk_tokens=3, max_verify_tokens=16)
+    assert verify_tokens(capabilities) == 3
+    rows = RowTable(2, 256)
+    speculator = Speculator(SpeculativeConfig("ngram", 3, 1, 2), verify_tokens(capabilities), 256)
+    sched = Scheduler(4096, ChunkedPrefill(64, 8), None, rows, capabilities, speculator=speculator)
+    drafting = repeating_req("drafting")
+    sched.add(drafting)
+    while not drafting.prompt_done:  # in 3-token chunks
+        sched.next_step()
+    rows.set_length(drafting.row, 12)
+    drafting.output_ids.append(1)  # ids ... 3, 4, 1: the lookup finds 2, 3, 4; 2 of them fit
+    assert sched.next_step().decision.drafts == {drafting: (2, 3)}
+    with pytest.raises(ValueError, match=r"speculative_config.*verifies at most 2"):
+        check_speculation(SpeculativeConfig("ngram", 3, 1, 2), capabilities, "R")
+
+
+def test_a_draft_never_runs_past_the_rows_positions_or_the_requests_tokens():
+    rows = RowTable(2, 16)
+    capabilities = RunnerCapabilities(extend=True, max_verify_tokens=16)
+    speculator = Speculator(SpeculativeConfig("ngram", 8, 1, 2), 16, 16)
+    sched = Scheduler(4096, ChunkedPrefill(64, 8), None, rows, capabilities, speculator=speculator)
+    near_end = repeating_req("near_end")  # 12 prompt ids + 1 output in a 16-position row
+    place_decoding(sched, rows, near_end, n_out=1)
+    near_end.output_ids[-1] = 1
+    assert sched.next_step().decision.drafts == {near_end: (2, 3, 4)}  # 13 ids + 3 = 16 positions
+
+
 def test_placement_claims_a_retained_prefix_and_names_the_copy_for_a_live_one():
     rows = RowTable(4, 256)
     prefix = PrefixIndex(rows)
@@ -259,6 +372,8 @@ def test_capabilities_refuse_mixed_steps_without_extend():
         RunnerCapabilities(prefill_as_extend=True)
     with pytest.raises(ValueError, match="need mixed_steps"):
         RunnerCapabilities(extend=True, mixed_limits=MixedStepLimits(8, None, 256))
+    with pytest.raises(ValueError, match="mixed_verify needs mixed_steps and max_verify_tokens"):
+        RunnerCapabilities(extend=True, mixed_steps=True, mixed_verify=True)
 
 
 def test_no_line_is_longer_than_one_forward_takes_whatever_the_policy():

@@ -32,6 +32,7 @@ from neuron_lmi.config.options import (
     default_n_positions,
     default_n_positions_source,
 )
+from neuron_lmi.config.speculative import SpeculativeConfig
 from neuron_lmi.engine.async_engine import AsyncEngine
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.process_front import DEFAULT_MAX_RESTARTS, ProcessEngine
@@ -109,6 +110,8 @@ class CpuEngineOptions:
     # Engine processes started after one dies (ProcessEngine); 0 with SERVING_FAIL_FAST, where the
     # server exits instead and SageMaker or Kubernetes replaces it.
     max_restarts: int
+    # option.speculative_config: n-gram drafts verified per row (docs/speculative-decoding.md)
+    speculative_config: SpeculativeConfig | None
     # option.enable_lora and its kin, the start-up adapters fetched (backends.cpu.lora); None: off.
     lora: CpuLora | None
 
@@ -140,6 +143,7 @@ class CpuEngineOptions:
             pack_weights=True,
             compile_graphs=not cfg.model.enforce_eager,
             max_restarts=0 if cfg.server.fail_fast else DEFAULT_MAX_RESTARTS,
+            speculative_config=cfg.batching.speculative_config,
             lora=cpu_lora(resolved, Path(model_path)),
         )
 
@@ -201,7 +205,14 @@ def build_cpu_engine_core(
     )
     adapters = adapter_table(options.lora, plan.model) if options.lora is not None else None
     eos = eos_ids_for(ckpt.config, tokenizer)
-    core = EngineCore(runner, tokenizer, eos, options.max_prefill_tokens, adapters=adapters)
+    core = EngineCore(
+        runner,
+        tokenizer,
+        eos,
+        options.max_prefill_tokens,
+        adapters=adapters,
+        speculative=options.speculative_config,
+    )
     return core, ckpt.config
 
 

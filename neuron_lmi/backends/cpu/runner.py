@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +43,11 @@ class CpuRunner(ForwardByKind):
     ``extend`` whatever graphs are compiled: the compiled graphs have the base weights frozen in and
     take no adapter, so such a batch (its base lines too: a mixed step is one batch) goes eager,
     every line written from its start. A batch without adapters takes the usual path unchanged.
+
+    A batch with ``StepBatch.logit_counts`` (speculative decodes' verify lines) runs the eager
+    extend too, returning the logits of each line's last positions (``verify``): the compiled graphs
+    return last-token logits only, so ``mixed_verify`` is off and the scheduler sends such lines as
+    an EXTEND batch of their own, each at most ``max_verify_tokens`` (the largest context bucket).
     """
 
     def __init__(
@@ -95,6 +101,10 @@ class CpuRunner(ForwardByKind):
             prefill_as_extend=extend and (compiled_decode is not None or compiled_extend is not None),
             lora_slots=lora_slots,
             lora_rank=lora_rank if lora_slots else 0,
+            # A verify line is an eager extend line, so at most the longest chunk; the compiled
+            # graphs return last-token logits only, so verify lines never ride in a mixed step.
+            max_verify_tokens=self.context_buckets[-1] if extend else 0,
+            mixed_verify=False,
         )
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
@@ -102,7 +112,7 @@ class CpuRunner(ForwardByKind):
             return ForwardByKind.forward(self, batch)
         for row, start in zip(batch.rows, batch.starts, strict=True):
             self.rows.set_length(row, start)
-        return self._extend_eager(batch.rows, batch.chunks, batch.adapters)
+        return self._extend_eager(batch.rows, batch.chunks, batch.adapters, batch.logit_counts or None)
 
     def set_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
         if self.lora is None:
@@ -169,21 +179,7 @@ class CpuRunner(ForwardByKind):
     def extend(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append ``chunks[i]`` to ``rows[i]`` after the positions it holds; returns the logits of
         each chunk's last token. A chunk is at most the largest context bucket (``max_chunk_tokens``)."""
-        if not self.supports_extend:
-            raise NotImplementedError(f"{type(self.model).__name__} has no extend step")
-        if len(rows) != len(chunks):
-            raise ValueError("extend: rows and chunks differ in length")
-        if len(set(rows)) != len(rows):
-            raise ValueError(f"extend: rows {list(rows)} repeat a row")
-        starts = self.rows.lengths(rows)
-        for row, chunk, start in zip(rows, chunks, starts, strict=True):
-            if not chunk:
-                raise ValueError(f"extend: chunk for row {row} is empty")
-            if start + len(chunk) > self.n_positions:
-                raise ValueError(
-                    f"extend: row {row} holds {start} positions, {len(chunk)} more "
-                    f"exceed n_positions={self.n_positions}"
-                )
+        starts = self._check_lines("extend", rows, chunks)
         step = self.compiled_decode
         if step is not None and step.covers_chunks(starts, [len(c) for c in chunks]):
             logits = step(rows, chunks, starts, self.cache.k, self.cache.v)
@@ -197,11 +193,14 @@ class CpuRunner(ForwardByKind):
         rows: Sequence[int],
         chunks: Sequence[Sequence[int]],
         adapters: Sequence[int | None] | None = None,
+        last: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """The eager extend, padded to each chunk's bucket (several buckets: one model call each, so
         a short chunk does not pay for a long one's padding; a chunk past the largest is refused by
-        pick_bucket). ``adapters``: each line's LoRA slot (an adapted batch)."""
-        logits = torch.empty(len(rows), self.vocab_size)
+        pick_bucket). ``adapters``: each line's LoRA slot (an adapted batch). ``last``: the logits
+        of each line's last ``last[i]`` positions, ``[sum(last), vocab]`` (a batch of verify lines)."""
+        ends = list(accumulate(last)) if last else list(range(1, len(rows) + 1))
+        logits = torch.empty(ends[-1], self.vocab_size)
         by_bucket: dict[int, list[int]] = defaultdict(list)
         for i, chunk in enumerate(chunks):
             by_bucket[pick_bucket(self.chunk_buckets, len(chunk))].append(i)
@@ -210,23 +209,70 @@ class CpuRunner(ForwardByKind):
             lora = None
             if adapters is not None and self.lora is not None:
                 lora = self.lora.batch([adapters[i] for i in members])
-            logits[members] = self._extend_bucket([rows[i] for i in members], pieces, bucket, lora)
+            counts = [last[i] for i in members] if last else None
+            out = self._extend_bucket([rows[i] for i in members], pieces, bucket, lora, counts)
+            if counts is None:
+                logits[members] = out
+            else:  # each member's last positions, in line order
+                spans = zip(members, counts, strict=True)
+                logits[[j for i, n in spans for j in range(ends[i] - n, ends[i])]] = out
         return logits
 
+    def _check_lines(self, what: str, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> list[int]:
+        """The rows' lengths (where each chunk goes), once the lines are checked to fit."""
+        if not self.supports_extend:
+            raise NotImplementedError(f"{type(self.model).__name__} has no extend step")
+        if len(rows) != len(chunks):
+            raise ValueError(f"{what}: rows and chunks differ in length")
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"{what}: rows {list(rows)} repeat a row")
+        starts = self.rows.lengths(rows)
+        for row, chunk, start in zip(rows, chunks, starts, strict=True):
+            if not chunk:
+                raise ValueError(f"{what}: chunk for row {row} is empty")
+            if start + len(chunk) > self.n_positions:
+                raise ValueError(
+                    f"{what}: row {row} holds {start} positions, {len(chunk)} more "
+                    f"exceed n_positions={self.n_positions}"
+                )
+        return starts
+
+    def verify(
+        self, rows: Sequence[int], chunks: Sequence[Sequence[int]], logit_counts: Sequence[int]
+    ) -> torch.Tensor:
+        """``extend``, returning the logits of each line's last ``logit_counts[i]`` positions in line
+        order, ``[sum(logit_counts), vocab]`` (speculative decodes are verified from them).
+
+        The whole batch runs the eager extend as it comes: the compiled graphs return last-token
+        logits only, which is why ``mixed_verify`` is off and the scheduler sends verify lines as an
+        EXTEND batch of their own, none longer than ``max_verify_tokens``."""
+        self._check_lines("verify", rows, chunks)
+        if len(logit_counts) != len(rows):
+            raise ValueError("verify: rows and logit_counts differ in length")
+        longest = self.capabilities.max_verify_tokens
+        if any(len(chunk) > longest for chunk in chunks):
+            raise ValueError(f"verify: a line of {max(map(len, chunks))} tokens exceeds {longest}")
+        return self._extend_eager(rows, chunks, last=logit_counts)
+
     def _extend_bucket(
-        self, rows: list[int], pieces: list[list[int]], bucket: int, lora: LoraBatch | None = None
+        self,
+        rows: list[int],
+        pieces: list[list[int]],
+        bucket: int,
+        lora: LoraBatch | None = None,
+        last: list[int] | None = None,
     ) -> torch.Tensor:
         starts = self.rows.lengths(rows)
         lengths = [len(p) for p in pieces]
         compiled = self.compiled_extend
-        if lora is None and compiled is not None and compiled.covers(starts, lengths):
+        if lora is None and last is None and compiled is not None and compiled.covers(starts, lengths):
             out = compiled(rows, pieces, starts, self.cache.k, self.cache.v)
         else:
             tokens = right_padded(pieces, bucket)
             ends = max(s + n for s, n in zip(starts, lengths, strict=True))
             out = self.model.extend(
                 tokens, torch.tensor(rows, dtype=torch.long), torch.tensor(starts, dtype=torch.long),
-                lengths, self.cache.k, self.cache.v, pick_bucket(self.token_buckets, ends), lora,
+                lengths, self.cache.k, self.cache.v, pick_bucket(self.token_buckets, ends), lora, last,
             )  # fmt: skip
         for row, start, n in zip(rows, starts, lengths, strict=True):
             self.rows.set_length(row, start + n)

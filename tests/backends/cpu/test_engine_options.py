@@ -13,6 +13,7 @@ import pytest
 from neuron_lmi.backends.cpu.engine import CpuEngineOptions, load_cpu_model, resolve_cpu_dtype
 from neuron_lmi.config import BatchingOptions, load_config
 from neuron_lmi.config.options import DEFAULT_MAX_PREFILL_TOKENS
+from neuron_lmi.config.speculative import SpeculativeConfig
 from neuron_lmi.engine.process_front import DEFAULT_MAX_RESTARTS
 from tests.conftest import cpu_options
 
@@ -28,6 +29,7 @@ def test_from_resolved_maps_the_configuration(tiny_llama_dir: Path) -> None:
         "dtype": "bf16",
         "group_query_attention": "replicated-heads",
         "fail_fast": "true",
+        "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
     }
     options = CpuEngineOptions.from_resolved(load_config(cli, None, env={}), "/fetched/model", tp_degree=2)
     assert options.model == "/fetched/model"
@@ -37,6 +39,7 @@ def test_from_resolved_maps_the_configuration(tiny_llama_dir: Path) -> None:
     assert options.compile_graphs is False
     assert options.group_query_attention == "replicated-heads"  # the CPU engine's sharding plan too
     assert options.max_restarts == 0  # SERVING_FAIL_FAST: the server exits instead
+    assert options.speculative_config == SpeculativeConfig("ngram", 3)
 
 
 def test_options_have_no_defaults_of_their_own() -> None:
@@ -58,6 +61,7 @@ def test_from_resolved_defaults_are_the_servers() -> None:
     assert options.compiled_graph_path is None and options.compiled is False  # no bucket runner
     assert options.no_compile is False and options.pack_weights is True
     assert options.max_restarts == DEFAULT_MAX_RESTARTS
+    assert options.speculative_config is None
     served = BatchingOptions()
     assert options.max_rolling_batch_size == served.max_rolling_batch_size
     assert options.max_queue_size == served.max_queue_size

@@ -1,0 +1,226 @@
+"""Speculative decoding with n-gram (prompt-lookup) drafts: proposal, verification, back-off, counters.
+
+One decode step of a row with a draft::
+
+    Scheduler.schedule    Speculator.draft(request): up to k tokens that followed the earliest earlier
+                          occurrence of the row's longest suffix n-gram (prompt_lookup_min..max long),
+                          searched over prompt + output, as vLLM's NgramProposer does
+    Scheduler._batches    the decode as one EXTEND line [last token, d1..dk] from the row's length,
+                          wanting the logits of all k + 1 positions (StepBatch.logit_counts)
+    runner.forward        writes the k + 1 positions' K/V, returns their logits
+    EngineCore            verify(): the accepted drafts and one token of the model's (the correction
+                          at the first rejection, or the bonus token after k acceptances); the row is
+                          cut back to what was accepted (RowTable.set_length), then each token goes
+                          through the usual accept (EOS, stop ids, max_new_tokens cut it exactly)
+
+Verification keeps the model's distribution. Greedy: a draft is accepted while it equals the argmax
+at its position, so greedy output is the output without speculation. Sampled: the draft distribution
+of a prompt lookup is a point mass q = delta(d), so the speculative-sampling rule (Leviathan et al.,
+Chen et al. 2023) reads: accept d with probability p(d); on rejection draw from p with d removed and
+renormalised (the residual max(0, p - q)); after k acceptances draw the bonus token from p. ``p`` is
+the host sampler's distribution (temperature, min_p, top_k, top_p applied), drawn with the request's
+own generator, so a seed reproduces a run (not the same tokens as without speculation: the generator
+is consumed differently).
+
+Which rows speculate (``speculates``): a request whose sampling is a pure function of the logits at
+each position. Requests with a grammar, repetition/presence/frequency penalties, logit_bias,
+top_n_tokens (alternatives per token), or still inside ``min_tokens`` decode one token per step;
+their logits at later positions would depend on tokens not yet accepted.
+
+Back-off (per request): a draft with nothing accepted is a miss; after ``MISSES_BEFORE_PAUSE``
+misses in a row the request proposes nothing for ``PAUSE_STEPS`` decode steps (the verification
+costs a longer forward), then tries again. A row where the lookup finds no match costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from neuron_lmi.config.speculative import KEY, NGRAM, SpeculativeConfig
+from neuron_lmi.engine.request import Request
+from neuron_lmi.engine.sampling import filter_logits, greedy_argmax
+from neuron_lmi.engine.types import SamplingParams
+from neuron_lmi.models.token_draw import draw_from_logits
+from neuron_lmi.runners.base import RunnerCapabilities
+
+MISSES_BEFORE_PAUSE = 3
+PAUSE_STEPS = 16
+NEG_INF = float("-inf")
+
+
+def check_speculation(config: SpeculativeConfig, capabilities: RunnerCapabilities, runner: str) -> None:
+    """Refuse at start-up what this engine and runner cannot run, naming the key."""
+    if config.method != NGRAM:
+        raise ValueError(
+            f"{KEY}: method {config.method!r} is not supported yet on this backend ({runner}); "
+            f'use {{"method": "ngram", ...}}'
+        )
+    if capabilities.device_sampling is not None:
+        raise ValueError(f"{KEY}: {runner} samples on the device, which cannot verify draft tokens")
+    need = config.num_speculative_tokens + 1
+    if verify_tokens(capabilities) < need:
+        can = verify_tokens(capabilities)
+        reason = "cannot verify several tokens in one forward" if can < 2 else f"verifies at most {can - 1}"
+        raise ValueError(f"{KEY}: num_speculative_tokens={need - 1}, but {runner} {reason}")
+
+
+def verify_tokens(capabilities: RunnerCapabilities) -> int:
+    """The longest verify line (``[last token, d1..dk]``) one forward takes: within both the
+    positions whose logits it returns (``max_verify_tokens``) and its longest line
+    (``max_chunk_tokens``)."""
+    longest = capabilities.max_chunk_tokens
+    can = capabilities.max_verify_tokens
+    return can if longest is None else min(can, longest)
+
+
+def propose_ngram(ids: Sequence[int], k: int, low: int, high: int) -> list[int]:
+    """Up to ``k`` tokens that followed the earliest earlier occurrence of the longest suffix of
+    ``ids`` of ``low .. high`` tokens (vLLM's prompt lookup); empty when none occurs."""
+    total = len(ids)
+    if k < 1 or total <= low:
+        return []
+    tokens = torch.tensor(list(ids), dtype=torch.long)
+    before = tokens[:-1]  # an occurrence ends before the last token, so one token at least follows it
+    for n in range(min(high, total - 1), low - 1, -1):
+        hits = (before.unfold(0, n, 1) == tokens[-n:]).all(dim=1).nonzero()
+        if len(hits):
+            start = int(hits[0]) + n
+            return [int(t) for t in ids[start : start + k]]
+    return []
+
+
+def speculates(params: SamplingParams, generated: int) -> bool:
+    """Whether a request's next tokens may be drafted (see the module docstring)."""
+    return not (
+        params.grammar is not None
+        or params.repetition_penalty != 1.0
+        or params.presence_penalty
+        or params.frequency_penalty
+        or params.logit_bias
+        or params.top_n_tokens
+        or generated < params.min_tokens
+    )
+
+
+def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The logits the host sampler draws a speculating request's token from, ``[n, vocab]``:
+    temperature, then min_p, top_k and top_p (``sampling.sample``'s pipeline for such a row)."""
+    n = logits.shape[0]
+    scaled = logits / params.temperature if params.temperature != 1.0 else logits
+    return filter_logits(
+        scaled,
+        torch.full((n,), params.top_k),
+        torch.full((n,), params.top_p),
+        torch.full((n,), params.min_p),
+    )
+
+
+def rejection_sample(
+    logits: torch.Tensor, drafts: Sequence[int], generator: torch.Generator | None
+) -> list[int]:
+    """Speculative sampling for point-mass drafts. ``logits`` ``[len(drafts) + 1, vocab]`` are the
+    sampling logits (``sampling_logits``) at each draft's position and the one after; returns the
+    accepted drafts and one more token (the correction drawn from p minus the rejected draft, or
+    the bonus from the last position)."""
+    probs = torch.softmax(logits, dim=-1)
+    out: list[int] = []
+    for j, draft in enumerate(drafts):
+        if float(torch.rand((), generator=generator)) < float(probs[j, draft]):
+            out.append(int(draft))
+            continue
+        residual = logits[j].clone()
+        residual[draft] = NEG_INF
+        out.append(int(draw_from_logits(residual[None], [generator])[0]))
+        return out
+    out.append(int(draw_from_logits(logits[-1:], [generator])[0]))
+    return out
+
+
+def verify(logits: torch.Tensor, drafts: Sequence[int], request: Request) -> list[int]:
+    """The tokens a verified line emits, from the raw logits of its ``len(drafts) + 1`` positions."""
+    params = request.params
+    if params.greedy:
+        targets = greedy_argmax(logits).tolist()
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+            accepted += 1
+        return [*drafts[:accepted], targets[accepted]]
+    return rejection_sample(sampling_logits(logits, params), drafts, request.generator)
+
+
+@dataclass(slots=True)
+class SpecCounters:
+    """vLLM's spec_decode counters (``vllm:spec_decode_num_*``), totals since start."""
+
+    k: int
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.k
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+    def extra(self) -> dict[str, float]:
+        """``EngineStats.extra`` entries; ``server.metrics`` turns them into vLLM's counters."""
+        out = {
+            "spec_decode_num_drafts": float(self.drafts),
+            "spec_decode_num_draft_tokens": float(self.draft_tokens),
+            "spec_decode_num_accepted_tokens": float(self.accepted_tokens),
+        }
+        for pos, n in enumerate(self.accepted_per_pos):
+            out[f"spec_decode_num_accepted_tokens_per_pos.{pos}"] = float(n)
+        return out
+
+
+class Speculator:
+    """Drafts for decoding rows (``draft``) and what became of them (``observe``): the n-gram
+    proposer, the per-request back-off and the counters.
+
+    Invariants: a draft is never longer than ``num_speculative_tokens``, than the runner verifies in
+    one forward (``max_verify_tokens - 1``: the engine gives ``verify_tokens(capabilities)``), than
+    the row has positions left for, or than the request may still generate minus one (the model's
+    own token always follows the drafts).
+    """
+
+    def __init__(self, config: SpeculativeConfig, max_verify_tokens: int, n_positions: int) -> None:
+        self.config = config
+        self.max_draft = min(config.num_speculative_tokens, max_verify_tokens - 1)
+        self.n_positions = n_positions
+        self.counters = SpecCounters(config.num_speculative_tokens)
+
+    def draft(self, request: Request) -> tuple[int, ...]:
+        """The draft for ``request``'s next decode step (empty: decode one token)."""
+        if not speculates(request.params, len(request.output_ids)):
+            return ()
+        if request.spec_pause:
+            request.spec_pause -= 1
+            return ()
+        ids = request.all_ids
+        room = min(
+            self.max_draft,
+            self.n_positions - len(ids),
+            request.params.max_new_tokens - len(request.output_ids) - 1,
+        )
+        low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        return tuple(propose_ngram(ids, room, low, high))
+
+    def observe(self, request: Request, drafted: int, accepted: int) -> None:
+        """Count a verified draft and update the request's back-off."""
+        self.counters.observe(drafted, accepted)
+        if accepted:
+            request.spec_misses = 0
+            return
+        request.spec_misses += 1
+        if request.spec_misses >= MISSES_BEFORE_PAUSE:
+            request.spec_misses, request.spec_pause = 0, PAUSE_STEPS
