@@ -12,7 +12,8 @@ HTTP, the API process and the load client cost.
         [--prompt-tokens 60 --output-tokens 128 --batch 32 --n-positions 512 --seed 0 --out F]
 
 A warm-up round (other prompts) runs first. Printed and written: tokens per second, and per step
-that decoded at least 90% of the rows, the wall and model milliseconds (means); the steps that
+that decoded at least 90% of the rows, the wall and model milliseconds and the host's CPU
+milliseconds outside the model (means); the steps that
 forwarded prompt tokens and the decode-only ones, with their seconds (where a prefill-heavy load's
 time goes: ``--prompt-tokens 1000 --output-tokens 50 --concurrency 16 --requests 32 --n-positions
 2048``).
@@ -67,17 +68,18 @@ def replay(core: EngineCore, workload: Workload, concurrency: int, requests: int
         live.add(request_id)
 
     full_rows = FULL_BATCH * runner.rows.n_rows
-    full_wall = full_model = prefill_s = decode_only_s = 0.0
+    full_wall = full_model = full_host_cpu = prefill_s = decode_only_s = 0.0
     full_steps = steps = tokens = prefill_steps = decode_only_steps = 0
     runner.forward = forward
     start = time.perf_counter()
     while sent < requests or core.has_work():
         while len(live) < concurrency and sent < requests:
             add()
-        rows0, prompt0, model0 = timer.decoded_rows, prompt_tokens, timer.forward_s
-        step0 = time.perf_counter()
+        rows0, prompt0 = timer.decoded_rows, prompt_tokens
+        model0, model_cpu0 = timer.forward_s, timer.forward_cpu_s
+        step0, cpu0 = time.perf_counter(), time.thread_time()
         core.step()
-        step_s = time.perf_counter() - step0
+        step_s, step_cpu_s = time.perf_counter() - step0, time.thread_time() - cpu0
         steps += 1
         rows = timer.decoded_rows - rows0
         tokens += rows
@@ -91,6 +93,7 @@ def replay(core: EngineCore, workload: Workload, concurrency: int, requests: int
             full_steps += 1
             full_wall += step_s
             full_model += timer.forward_s - model0
+            full_host_cpu += step_cpu_s - (timer.forward_cpu_s - model_cpu0)
     wall = time.perf_counter() - start
     del runner.forward  # the class's own again
     return {
@@ -101,6 +104,9 @@ def replay(core: EngineCore, workload: Workload, concurrency: int, requests: int
         "full_steps": full_steps,
         "wall_ms_per_full_step": 1000 * full_wall / max(full_steps, 1),
         "model_ms_per_full_step": 1000 * full_model / max(full_steps, 1),
+        # The loop thread's own CPU time outside forward, as the server's step clock counts it
+        # (neuron_lmi_engine_host_cpu_ms_per_full_step): what the host costs, whatever else runs.
+        "host_cpu_ms_per_full_step": 1000 * full_host_cpu / max(full_steps, 1),
         "prefill_steps": prefill_steps,
         "prefill_s": prefill_s,
         "decode_only_steps": decode_only_steps,
