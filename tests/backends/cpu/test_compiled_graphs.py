@@ -416,3 +416,45 @@ def test_the_step_graphs_last_layer_runs_for_the_logits_tokens_only(tiny_llama_d
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k_step, k_full, rtol=0, atol=0)
     torch.testing.assert_close(v_step, v_full, rtol=0, atol=0)
+
+
+def test_speculation_with_compiled_graphs_is_token_identical_to_eager_without(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """n-gram speculation on the served runner (compiled graphs, ``option.speculative_config`` as
+    a configuration key): rows that join mid-batch make steps that hold a mixed batch (prompt chunks
+    and plain decodes, in the step graph) and a batch of drafts to verify beside it (the graphs give
+    one logit per line: ``mixed_verify`` is off). Greedy tokens equal the eager engine's without
+    speculation, drafts are accepted, and every row is freed."""
+    monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    eager, compiled = _llm(tiny_llama_dir), _llm(tiny_llama_dir, enforce_eager=False, speculative_config=spec)
+    runner, core = compiled.core.runner, compiled.core
+    assert core.speculator is not None and not runner.capabilities.mixed_verify
+    phrase = list(range(300, 307))
+    prompts = [
+        phrase * 4,
+        list(range(400, 430)),
+        list(range(350, 353)) * 6,
+        phrase[2:] * 3,
+        list(range(500, 560)),
+    ]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (30, 12, 25, 20, 9)]
+    kinds: list[list[tuple[BatchKind, bool]]] = []
+    step = core.scheduler.next_step
+
+    def recorded_step() -> object:
+        plan = step()
+        kinds.append([(b.kind, bool(b.logit_counts)) for b, _ in plan.batches])
+        return plan
+
+    core.scheduler.next_step = recorded_step  # type: ignore[method-assign]
+    want = [c.token_ids for c in eager.generate(prompts, params)]
+    got = [c.token_ids for c in compiled.generate(prompts, params)]
+    assert got == want
+    counters = core.speculator.counters
+    assert counters.drafts > 0 and 0 < counters.accepted_tokens <= counters.draft_tokens
+    verify = (BatchKind.EXTEND, True)
+    assert any(verify in step_kinds and len(step_kinds) > 1 for step_kinds in kinds)
+    assert runner.compiled_decode.steps > 0  # the plain decodes and prompt chunks ran in the graph
+    assert runner.rows.in_use() == []
