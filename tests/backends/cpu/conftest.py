@@ -44,6 +44,20 @@ def load_tiny(model_dir: Path, dtype: torch.dtype = torch.float32):
     return build_model(ckpt.config, ckpt.state_dict, n_positions=N_POSITIONS, dtype=dtype)
 
 
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir: Path):
+    """The tiny Llama as the engine loads it (fp32, eager, 256 positions): the runner tests' model."""
+    from neuron_lmi.backends.cpu.llm import LLM
+
+    return LLM(
+        str(tiny_llama_dir), dtype="fp32", enforce_eager=True, max_rolling_batch_size=1, n_positions=256
+    ).core.runner.model
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 49000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def counting(calls: list[tuple[str, int]], real: Callable[..., None]) -> Callable[..., None]:
     """Wrap ``aot.compile_graph`` so a test can assert which graphs were compiled."""
 

@@ -3,24 +3,11 @@ the model reads a run of rows in place or groups rows by length, with the same r
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.backends.cpu.runner import CpuRunner
-
-
-@pytest.fixture(scope="module")
-def model(tiny_llama_dir: Path):
-    return LLM(
-        str(tiny_llama_dir), dtype="fp32", enforce_eager=True, max_rolling_batch_size=1, n_positions=256
-    ).core.runner.model
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 49000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+from tests.backends.cpu.conftest import prompt
 
 
 def alone(model, tokens: list[int], next_token: int) -> torch.Tensor:

@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from neuron_lmi.backends.cpu.buckets import chunk_buckets
-from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.backends.cpu.runner import CpuRunner
-
-
-@pytest.fixture(scope="module")
-def model(tiny_llama_dir: Path):
-    return LLM(
-        str(tiny_llama_dir), dtype="fp32", enforce_eager=True, max_rolling_batch_size=1, n_positions=256
-    ).core.runner.model
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 49000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+from tests.backends.cpu.conftest import prompt
 
 
 def test_prefill_then_extends_match_one_whole_prefill_in_logits_and_cache(model) -> None:

@@ -3,25 +3,12 @@ positions, as a whole-prompt forward computes them, with the rows left as ``exte
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from neuron_lmi.backends.cpu.llm import LLM
 from neuron_lmi.backends.cpu.runner import CpuRunner
 from neuron_lmi.runners.base import BatchKind, StepBatch
-
-
-@pytest.fixture(scope="module")
-def model(tiny_llama_dir: Path):
-    return LLM(
-        str(tiny_llama_dir), dtype="fp32", enforce_eager=True, max_rolling_batch_size=1, n_positions=256
-    ).core.runner.model
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 49000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+from tests.backends.cpu.conftest import prompt
 
 
 def test_a_verify_batch_returns_each_lines_last_positions_in_line_order(model) -> None:
