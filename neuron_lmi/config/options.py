@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from neuron_lmi.config.dtypes import canonical_dtype
-from neuron_lmi.config.speculative import SpeculativeConfig, parse_speculative_config
+from neuron_lmi.config.speculative import SpeculativeConfig, json_value, parse_speculative_config
 
 DEFAULT_MODEL = "smollm2"  # the built-in model every command and engine serves when none is named
 
@@ -316,12 +316,7 @@ class NeuronOptions(_Section):
     @classmethod
     def _json_object(cls, value: Any) -> Any:
         if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"must be a JSON object: {exc.msg} at column {exc.colno}") from exc
+            value = json_value(value)
             if not isinstance(value, dict):
                 raise ValueError("must be a JSON object (a mapping of NeuronConfig fields)")
         return value

@@ -39,6 +39,15 @@ DEFAULT_PROMPT_LOOKUP = 5
 FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 
 
+def json_value(text: str) -> Any:
+    """A key's JSON text decoded; a ValueError saying where it is not JSON (the loader adds the key).
+    Here, the lowest module of ``config`` that reads JSON keys: ``options`` uses it too."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"must be a JSON object: {exc.msg} at column {exc.colno}") from exc
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """One speculative-decoding setting. Invariants: ``num_speculative_tokens >= 1``; for
@@ -81,10 +90,7 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     if isinstance(value, str):
         if not value.strip():
             return None
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"must be a JSON object: {exc.msg} at column {exc.colno}") from exc
+        value = json_value(value)
     if not isinstance(value, Mapping):
         raise ValueError('must be a JSON object such as {"method": "ngram", "num_speculative_tokens": 4}')
     unknown = sorted(set(value) - set(FIELDS))
