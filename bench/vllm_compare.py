@@ -45,6 +45,18 @@ run gives a family's decode-heavy tok/s beside Llama's (issue 38: within 10%) an
 
     .venv-vllm/bin/python bench/vllm_compare.py --family qwen3 --servers ours-cpu,ours-cpu-smollm2,vllm \
         --concurrency 32 --requests 64 --rounds 2 --out results/qwen3_shape.json
+
+``--lora 4`` (issue 40) writes that many random PEFT adapters of ``--lora-rank`` (16) on every
+projection (q, k, v, o, gate, up, down) of the served model; ``ours-cpu-lora`` and ``vllm-lora``
+serve them (``--lora-modules``) and their load spreads the requests over them in turn (``neuron-lmi
+bench --model a0,a1,..``), beside ``ours-cpu`` and ``vllm`` on the base model alone.
+``--adapter-load`` has each round on a ``-lora`` server load one more adapter at run time
+(``/v1/load_lora_adapter``) a second into the streams, and unload it after: the summary gives the
+streams' largest inter-token gap around the load over their own ITL p50 (the issue asks <= 3):
+
+    .venv-vllm/bin/python bench/vllm_compare.py --lora 4 --servers ours-cpu,ours-cpu-lora,vllm,vllm-lora \
+        --concurrency 32 --requests 64 --batch 32 --prompt-tokens 60 --output-tokens 128 \
+        --n-positions 512 --dtype bf16 --rounds 2 --out results/lora.json
 """
 
 from __future__ import annotations
@@ -183,8 +195,41 @@ def wait_ready(proc: subprocess.Popen, url: str, path: str, log: Path, timeout_s
     raise RuntimeError(f"server not ready after {timeout_s}s:\n{log.read_text()[-3000:]}")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXTRA_ADAPTER = "extra"  # --adapter-load's adapter, loaded and unloaded in every round
+
+
+def adapter_names(args: argparse.Namespace) -> list[str]:
+    return [f"a{i}" for i in range(args.lora)]
+
+
+def write_adapters(args: argparse.Namespace, base_dir: Path, work: Path) -> dict[str, Path]:
+    """``--lora`` random PEFT adapters (and ``EXTRA_ADAPTER``) of ``--lora-rank`` on every projection
+    of the checkpoint at ``base_dir``, each with its own seed; small updates (``delta``), so that the
+    real model's activations stay in range."""
+    from neuron_lmi.testing.lora import make_tiny_adapter
+
+    names = [*adapter_names(args), EXTRA_ADAPTER]
+    rank = args.lora_rank
+    return {
+        name: make_tiny_adapter(work / f"adapter-{name}", base_dir, rank, LORA_TARGETS, seed=i, delta=0.01)
+        for i, name in enumerate(names)
+    }
+
+
+def lora_flags(args: argparse.Namespace) -> list[str]:
+    """The same adapter flags for our server and vLLM's (room for ``EXTRA_ADAPTER`` beside the rest)."""
+    modules = [f"{name}={args.adapters[name]}" for name in adapter_names(args)]
+    rooms = ["--max-loras", str(args.lora + 1), "--max-lora-rank", str(args.lora_rank)]
+    return ["--enable-lora", *rooms, "--lora-modules", *modules]
+
+
 def server_command(name: str, args: argparse.Namespace, model_dir: Path, port: int) -> tuple[list[str], str]:
-    """The command line for one server and the path that answers 200 once it is ready."""
+    """The command line for one server and the path that answers 200 once it is ready; a name
+    ending ``-lora`` is that server with ``--lora``'s adapters."""
+    if name.endswith("-lora"):
+        cmd, ready = server_command(name.removesuffix("-lora"), args, model_dir, port)
+        return [*cmd, *lora_flags(args)], ready
     common = ["--max-rolling-batch-size", str(args.batch), "--n-positions", str(args.n_positions)]
     if name == "ours-vllm":
         return [
@@ -286,11 +331,24 @@ ARRIVAL_OUTPUT_TOKENS = 50
 
 
 def bench_once(
-    url: str, args: argparse.Namespace, out: Path, requests: int, concurrency: int, seed: int
+    url: str,
+    args: argparse.Namespace,
+    out: Path,
+    requests: int,
+    concurrency: int,
+    seed: int,
+    lora: bool = False,
 ) -> dict:
     """One measurement of ``requests`` at ``concurrency``; with ``--arrivals``, that many long prompts
-    arrive while it runs (measured apart, into ``out``'s ``-arrivals`` file)."""
-    cmd = load_command(url, args, out, requests, concurrency, args.prompt_tokens, args.output_tokens, seed)
+    arrive while it runs (measured apart, into ``out``'s ``-arrivals`` file). ``lora``: a server of
+    ``--lora``'s adapters, whose requests name them in turn (and, with ``--adapter-load``, which
+    loads one more while the streams decode)."""
+    models = ",".join(adapter_names(args)) if lora else None
+    cmd = load_command(
+        url, args, out, requests, concurrency, args.prompt_tokens, args.output_tokens, seed, models
+    )  # fmt: skip
+    if lora and args.adapter_load:
+        return bench_adapter_load(url, args, out, cmd)
     if not args.arrivals:
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())["levels"][0]
@@ -324,6 +382,35 @@ def bench_once(
     return result
 
 
+def bench_adapter_load(url: str, args: argparse.Namespace, out: Path, cmd: list[str]) -> dict:
+    """The load ``cmd`` while ``EXTRA_ADAPTER`` is loaded (``/v1/load_lora_adapter``) a second into
+    it, then unloaded once it ends: the result adds how long the load took and each stream's
+    largest inter-token gap that overlaps it over that stream's own ITL p50 (the worst stream's)."""
+    timeline = out.with_suffix(".timeline.json")
+    streams = subprocess.Popen([*cmd, "--timeline", str(timeline)], cwd=ROOT, stdout=subprocess.DEVNULL)
+    time.sleep(ARRIVAL_DELAY_S)
+    body = {"lora_name": EXTRA_ADAPTER, "lora_path": str(args.adapters[EXTRA_ADAPTER])}
+    began = time.time()
+    httpx.post(url + "/v1/load_lora_adapter", json=body, timeout=120).raise_for_status()
+    ended = time.time()
+    if streams.wait() != 0:
+        raise subprocess.CalledProcessError(streams.returncode, cmd)
+    httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": EXTRA_ADAPTER}, timeout=120)
+    result = json.loads(out.read_text())["levels"][0]
+    worst = 0.0
+    for stream in json.loads(timeline.read_text())["levels"][0]["requests"]:
+        times = [stream["sent_at"] + t for t in stream["token_times"]]
+        gaps = [(a, b) for a, b in itertools.pairwise(times)]
+        if len(gaps) < 2:
+            continue
+        p50 = statistics.median(b - a for a, b in gaps)
+        around = [b - a for a, b in gaps if a <= ended and b >= began]  # gaps overlapping the load
+        worst = max([worst, *(gap / p50 for gap in around)])
+    result["adapter_load_s"] = ended - began
+    result["adapter_load_worst_gap_over_p50"] = worst
+    return result
+
+
 def gaps_while_arriving(streams: list[dict], arrivals: list[dict]) -> list[float]:
     """The streams' inter-token gaps that ended while the arrivals were prefilling: from the first
     arrival's send to the last arrival's first token (issue 28's window, where chunked prefill must
@@ -346,6 +433,7 @@ def load_command(
     prompt_tokens: int,
     output_tokens: int,
     seed: int,
+    models: str | None = None,
 ) -> list[str]:
     return [
         args.cpu_python if Path(args.cpu_python).exists() else sys.executable,
@@ -373,6 +461,7 @@ def load_command(
         "--no-progress",
         "--out",
         str(out),
+        *(["--model", models] if models else []),
     ]
 
 
@@ -409,6 +498,8 @@ def start_server(name: str, args: argparse.Namespace, model_dir: Path, work: Pat
     cmd, ready = server_command(name, args, model_dir, port)
     log = work / f"{name}.log"
     env = {**os.environ, **VLLM_CPU_ENV, "SM_MODEL_DIR": str(work / "no-sm")}
+    if name == "vllm-lora":  # vLLM's /v1/load_lora_adapter exists only with this set
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if args.cold:  # empty compile caches: ours, vLLM's and Inductor's (both compile through it)
         env["NEURON_LMI_CACHE_DIR"] = str(work / f"{name}-compile-cache")
         # and every other user cache: our C++ kernels build there on a fresh host (vLLM ships its own)
@@ -426,7 +517,8 @@ def start_server(name: str, args: argparse.Namespace, model_dir: Path, work: Pat
         startup_s = time.monotonic() - started
         warmup = work / f"{name}-warmup.json"
         level = args.levels[0][0]
-        bench_once(url, args, warmup, max(2, level), level, args.seed + WARMUP_SEED_OFFSET)
+        lora = name.endswith("-lora")
+        bench_once(url, args, warmup, max(2, level), level, args.seed + WARMUP_SEED_OFFSET, lora)
     except BaseException:
         stop_server(proc)
         raise
@@ -455,7 +547,8 @@ def measure(names: list[str], servers: dict, args: argparse.Namespace, work: Pat
             for name in order:
                 key = f"{name}@{concurrency}"
                 _, url, startup_s = servers[name]
-                result = bench_once(url, args, work / f"{key}-{round_no}.json", requests, concurrency, seed)
+                lora, out = name.endswith("-lora"), work / f"{key}-{round_no}.json"
+                result = bench_once(url, args, out, requests, concurrency, seed, lora)
                 result["startup_s"] = startup_s
                 result["engine"] = engine_gauges(url) if name.startswith("ours") else {}
                 results[key].append(result)
@@ -467,6 +560,12 @@ def measure(names: list[str], servers: dict, args: argparse.Namespace, work: Pat
                     f"ITL p50/p99 {result['itl_p50_ms']:.0f}/"
                     f"{result['itl_p99_ms']:.0f} ms, errors {result['errors']}"
                     + (f", host {host:.1f} ms per full-batch step" if host is not None else "")
+                    + (
+                        f"; adapter loaded in {result['adapter_load_s']:.2f} s, worst gap around it "
+                        f"{result['adapter_load_worst_gap_over_p50']:.2f}x the stream's ITL p50"
+                        if "adapter_load_s" in result
+                        else ""
+                    )
                     + (
                         f"; arrivals TTFT p50 {result['arrivals_ttft_p50_ms']:.0f} ms, the streams' ITL "
                         f"p50/p99 while they arrive {result['arrival_window_itl_p50_ms']:.0f}/"
@@ -524,6 +623,11 @@ def summarize(results: dict[str, list[dict]]) -> dict:
             out[name]["arrival_window_itl_p99_over_p50"] = (
                 out[name]["arrival_window_itl_p99_ms"] / out[name]["arrival_window_itl_p50_ms"]
             )
+        if all("adapter_load_s" in r for r in results[name]):
+            out[name]["adapter_load_s"] = mean(name, "adapter_load_s")
+            out[name]["adapter_load_worst_gap_over_p50"] = max(
+                r["adapter_load_worst_gap_over_p50"] for r in results[name]
+            )
         out[name]["errors"] = sum(r["errors"] for r in results[name])
         out[name]["startup_s"] = results[name][0].get("startup_s")  # start to ready, cold or cached
         out[name]["rounds_tokens_per_s"] = [round(r["output_tokens_per_s"], 1) for r in results[name]]
@@ -532,8 +636,11 @@ def summarize(results: dict[str, list[dict]]) -> dict:
             out[name][key] = statistics.median(g[key] for g in gauges if key in g)
     for name in results:
         server, _, level = name.partition("@")
-        base = f"vllm@{level}"
-        if server != "vllm" and base in results:
+        if server.endswith("-lora") and f"{server.removesuffix('-lora')}@{level}" in results:
+            plain = out[f"{server.removesuffix('-lora')}@{level}"]["output_tokens_per_s"]
+            out[f"{name}/without-adapters"] = {"throughput_ratio": out[name]["output_tokens_per_s"] / plain}
+        base = f"vllm-lora@{level}" if server == "ours-cpu-lora" else f"vllm@{level}"
+        if server not in ("vllm", "vllm-lora") and base in results:
             out[f"{name}/vllm"] = {
                 "throughput_ratio": out[name]["output_tokens_per_s"] / out[base]["output_tokens_per_s"],
                 "prompt_throughput_ratio": out[name]["prompt_tokens_per_s"]
@@ -570,6 +677,9 @@ def main() -> int:
     parser.add_argument("--quantize", choices=("int8", "int4"), help="ours-cpu's option.quantize")
     parser.add_argument("--llama-server", default=shutil.which("llama-server"), help="llama.cpp's server")
     parser.add_argument("--out", type=Path, help="write every run and the summary as JSON")
+    parser.add_argument("--lora", type=int, default=0, help="random adapters the -lora servers serve")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--adapter-load", action="store_true", help="-lora servers load one more per round")
     parser.add_argument("--arrivals", type=int, help="long prompts that arrive during each measurement")
     parser.add_argument("--arrival-prompt-tokens", type=int, help="their length")
     args = parser.parse_args()
@@ -607,6 +717,9 @@ def main() -> int:
         else:
             model_dir = Path(args.smollm2_dir)
         args.cpu_model = args.cpu_model or str(model_dir)
+        if any(name.endswith("-lora") for name in names) and args.lora < 1:
+            parser.error("a -lora server needs --lora N (N >= 1)")
+        args.adapters = write_adapters(args, model_dir, Path(tmp)) if args.lora else {}
         try:
             for name in names:  # one at a time: start-up compiles, and must not slow the others
                 servers[name] = start_server(name, args, model_dir, Path(tmp))

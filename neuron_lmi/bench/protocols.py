@@ -45,7 +45,7 @@ class StreamParser(Protocol):
 class RequestOptions:
     """Options common to every request of a run."""
 
-    model: str | None = None
+    models: tuple[str, ...] = ()  # OpenAI ``model``: request i asks for models[i % len] (adapters)
     ignore_eos: bool = False
     openai_endpoint: str = "chat"  # chat | completions
 
@@ -188,8 +188,8 @@ class Api:
                 body["messages"] = [{"role": "user", "content": request.prompt}]
             else:
                 body["prompt"] = request.prompt
-            if opts.model:
-                body["model"] = opts.model
+            if opts.models:
+                body["model"] = opts.models[request.index % len(opts.models)]
             if stream:
                 body["stream_options"] = {"include_usage": True}
             if opts.ignore_eos:

@@ -43,7 +43,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--output-tokens", default="128", help="N, uniform:LOW:HIGH or normal:MEAN:SD")
     parser.add_argument("--stream", action="store_true", help="stream responses (needed for TTFT and ITL)")
     parser.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS")
-    parser.add_argument("--model", help="model name for the OpenAI API")
+    parser.add_argument(
+        "--model", help="model name for the OpenAI API; several comma-separated (adapters): in turn"
+    )
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer ...' (or $NEURON_LMI_API_KEY)")
     parser.add_argument("--seed", type=int, default=0, help="seed for prompts and token counts")
     parser.add_argument("--timeout", type=float, default=300.0, help="per-request timeout in seconds")
@@ -79,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
     if args.timeline is not None and args.timeline.suffix.lower() != ".json":
         raise ValueError(f"--timeline {args.timeline}: expected a .json file name")
     options = RequestOptions(
-        model=args.model, ignore_eos=args.ignore_eos, openai_endpoint=_openai_endpoint(args)
+        models=tuple(name for name in (args.model or "").split(",") if name),
+        ignore_eos=args.ignore_eos,
+        openai_endpoint=_openai_endpoint(args),
     )
     workload = Workload(
         parse_token_count(args.prompt_tokens), parse_token_count(args.output_tokens), args.seed

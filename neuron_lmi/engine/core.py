@@ -288,15 +288,20 @@ class EngineCore:
         """(logits, the device's tokens): a runner that samples on the device gets each line's
         sampling inputs (``engine.device_sampling``), greedy for a line the host samples."""
         device = self.capabilities.device_sampling
-        timed, runner = self.forward_timer.timed, self.runner
+        timer, runner = self.forward_timer, self.runner
+        began = timer.forward_s
         if device is None:
-            return timed(lambda: runner.forward(batch), batch.decodes), None
-        lines = [
-            GREEDY_LINE if host_field(r.params, device) is not None else line_sampling(r.params, device)
-            for r in requests
-        ]
-        step = timed(lambda: runner.forward_sampled(batch, lines), batch.decodes)
-        return step.logits, step.tokens
+            logits, tokens = timer.timed(lambda: runner.forward(batch), batch.decodes), None
+        else:
+            lines = [
+                GREEDY_LINE if host_field(r.params, device) is not None else line_sampling(r.params, device)
+                for r in requests
+            ]
+            step = timer.timed(lambda: runner.forward_sampled(batch, lines), batch.decodes)
+            logits, tokens = step.logits, step.tokens
+        if self.speculator is not None:  # what a draft token costs (the speculator's cost line)
+            self.speculator.observe_forward(sum(map(len, batch.chunks)), timer.forward_s - began)
+        return logits, tokens
 
     def _sample(
         self, logits: torch.Tensor | None, tokens: torch.Tensor | None, requests: list[Request]

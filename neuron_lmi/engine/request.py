@@ -29,7 +29,8 @@ class Request:
     tokens whose K/V are in the row (computed or reused), and no token is sampled before it reaches
     ``len(prompt_ids)``; ``output_ids`` and ``logprobs`` grow together; once FINISHED,
     ``finish_reason`` is set and nothing changes. ``spec_misses`` and ``spec_pause`` are its
-    speculative-decoding back-off (``engine.speculation.Speculator``).
+    speculative-decoding back-off, ``spec_accepted`` and ``spec_rejected`` its recent acceptance
+    (``engine.speculation.Speculator``).
     """
 
     request_id: str
@@ -46,6 +47,8 @@ class Request:
     finish_reason: FinishReason | None = None
     spec_misses: int = 0  # drafts in a row with nothing accepted
     spec_pause: int = 0  # decode steps left without drafts
+    spec_accepted: float = 0.0  # accepted drafts, older verifies weighted down (ACCEPTANCE_DECAY)
+    spec_rejected: float = 0.0  # verifies that ended at a rejected draft, weighted alike
     # The LoRA adapter's registration id while the request holds it (``engine.lora``; None: the base
     # model), and the runner slot it runs in while it holds a row.
     adapter_id: int | None = None

@@ -202,7 +202,8 @@ class Scheduler:
         speculator = self.speculator
         if speculator is None:
             return {}
-        return {r: draft for r in decoding if (draft := speculator.draft(r))}
+        rows = len(decoding)
+        return {r: draft for r in decoding if (draft := speculator.draft(r, rows))}
 
     def _admit(self, free_rows: int, budget: int, chunks: list[PrefillChunk]) -> list[Request]:
         admitted: list[Request] = []

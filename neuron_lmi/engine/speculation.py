@@ -30,10 +30,24 @@ their logits at later positions would depend on tokens not yet accepted.
 Back-off (per request): a draft with nothing accepted is a miss; after ``MISSES_BEFORE_PAUSE``
 misses in a row the request proposes nothing for ``PAUSE_STEPS`` decode steps (the verification
 costs a longer forward), then tries again. A row where the lookup finds no match costs nothing.
+
+Cost (``DraftCost``): a draft token is worth its forward time only while it is likely enough to be
+emitted. The engine feeds every forward's tokens and seconds to a line ``t(T) = a + b T`` fitted
+online; at a step decoding ``B`` rows an emitted token is worth ``t(B) / B`` and a draft token costs
+``b``, and the ``j``-th draft of a row whose drafts are each accepted with probability ``alpha`` is
+emitted with probability ``alpha ** j``. So a row drafts at most ``j`` tokens with ``alpha ** j >
+b B / t(B)``: everything at batch 1, where a forward reads the weights whatever it computes; little
+at a large batch whose forward grows with every token, unless the row's drafts keep being accepted.
+``alpha`` is the row's own recent acceptance (accepted drafts over accepted drafts and rejections,
+with a prior of ``PRIOR_ACCEPTANCE``). A row that drafts nothing forgets its history a little each
+step, so it tries again later. The cap depends on timing, so it applies only to rows whose output
+it cannot change: greedy ones and those without a seed (a seeded sampled row drafts what the lookup
+finds, so the seed reproduces its tokens).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -49,6 +63,10 @@ from neuron_lmi.runners.base import RunnerCapabilities
 MISSES_BEFORE_PAUSE = 3
 PAUSE_STEPS = 16
 NEG_INF = float("-inf")
+COST_DECAY = 0.98  # weight of each older forward in the cost line: about the last 50 count
+ACCEPTANCE_DECAY = 0.8  # weight of each older verify (and idle step) in a row's acceptance
+PRIOR_ACCEPTANCE = 0.8  # a row's acceptance before it has verified anything, worth one verify
+MIN_TOKEN_SPREAD = 1.0  # the forwards' token counts must vary this much (variance) to fit a slope
 
 
 def check_speculation(config: SpeculativeConfig, capabilities: RunnerCapabilities, runner: str) -> None:
@@ -152,6 +170,69 @@ def verify(logits: torch.Tensor, drafts: Sequence[int], request: Request) -> lis
 
 
 @dataclass(slots=True)
+class DraftCost:
+    """The runner's forward time against the tokens it computes, as a line ``a + b T`` fitted by
+    least squares over recent forwards (``observe``), older ones weighted down by ``COST_DECAY``."""
+
+    weight: float = 0.0
+    tokens: float = 0.0
+    seconds: float = 0.0
+    tokens_sq: float = 0.0
+    tokens_seconds: float = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = COST_DECAY
+        self.weight = self.weight * d + 1.0
+        self.tokens = self.tokens * d + tokens
+        self.seconds = self.seconds * d + seconds
+        self.tokens_sq = self.tokens_sq * d + tokens * tokens
+        self.tokens_seconds = self.tokens_seconds * d + tokens * seconds
+
+    def line(self) -> tuple[float, float] | None:
+        """``(a, b)``: seconds per forward and per token, neither below 0; None until the forwards
+        seen differ enough in size to give a slope."""
+        w = self.weight
+        if w < 2.0:
+            return None
+        mean_t, mean_s = self.tokens / w, self.seconds / w
+        spread = self.tokens_sq / w - mean_t * mean_t
+        if spread < MIN_TOKEN_SPREAD:
+            return None
+        slope = max((self.tokens_seconds / w - mean_t * mean_s) / spread, 0.0)
+        return max(mean_s - slope * mean_t, 0.0), slope
+
+    def break_even(self, rows: int) -> float | None:
+        """``b B / t(B)`` at ``B = rows``: the probability of being emitted above which a draft token
+        pays for itself in a step decoding ``rows`` rows (None: no line yet)."""
+        line = self.line()
+        if line is None:
+            return None
+        a, b = line
+        total = a + b * rows
+        return b * rows / total if total > 0 else None
+
+
+def acceptance(request: Request) -> float:
+    """The row's chance that its next draft token is accepted (``PRIOR_ACCEPTANCE`` worth one
+    verify, then its own recent verifies)."""
+    accepted, rejected = request.spec_accepted, request.spec_rejected
+    return (accepted + PRIOR_ACCEPTANCE) / (accepted + rejected + 1.0)
+
+
+def worth_drafting(request: Request, break_even: float | None, most: int) -> int:
+    """How many draft tokens pay for their forward time: the largest ``j <= most`` with
+    ``acceptance ** j > break_even`` (all ``most`` without a cost line)."""
+    if break_even is None or break_even <= 0.0:
+        return most
+    if break_even >= 1.0:
+        return 0
+    alpha = acceptance(request)
+    if alpha >= 1.0:
+        return most
+    return min(most, max(0, math.ceil(math.log(break_even) / math.log(alpha)) - 1))
+
+
+@dataclass(slots=True)
 class SpecCounters:
     """vLLM's spec_decode counters (``vllm:spec_decode_num_*``), totals since start."""
 
@@ -198,10 +279,13 @@ class Speculator:
         self.max_draft = min(config.num_speculative_tokens, max_verify_tokens - 1)
         self.n_positions = n_positions
         self.counters = SpecCounters(config.num_speculative_tokens)
+        self.cost = DraftCost()
 
-    def draft(self, request: Request) -> tuple[int, ...]:
-        """The draft for ``request``'s next decode step (empty: decode one token)."""
-        if not speculates(request.params, len(request.output_ids)):
+    def draft(self, request: Request, rows: int = 1) -> tuple[int, ...]:
+        """The draft for ``request``'s next decode step in a step decoding ``rows`` rows (empty:
+        decode one token)."""
+        params = request.params
+        if not speculates(params, len(request.output_ids)):
             return ()
         if request.spec_pause:
             request.spec_pause -= 1
@@ -210,14 +294,26 @@ class Speculator:
         room = min(
             self.max_draft,
             self.n_positions - len(ids),
-            request.params.max_new_tokens - len(request.output_ids) - 1,
+            params.max_new_tokens - len(request.output_ids) - 1,
         )
+        if params.greedy or params.seed is None:  # the cap cannot change such a row's tokens
+            room = worth_drafting(request, self.cost.break_even(rows), room)
+            if room < 1:
+                request.spec_accepted *= ACCEPTANCE_DECAY  # drift back towards the prior
+                request.spec_rejected *= ACCEPTANCE_DECAY
+                return ()
         low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
         return tuple(propose_ngram(ids, room, low, high))
 
+    def observe_forward(self, tokens: int, seconds: float) -> None:
+        """One runner forward of ``tokens`` tokens took ``seconds`` (the cost line)."""
+        self.cost.observe(tokens, seconds)
+
     def observe(self, request: Request, drafted: int, accepted: int) -> None:
-        """Count a verified draft and update the request's back-off."""
+        """Count a verified draft and update the request's acceptance and back-off."""
         self.counters.observe(drafted, accepted)
+        request.spec_accepted = request.spec_accepted * ACCEPTANCE_DECAY + accepted
+        request.spec_rejected = request.spec_rejected * ACCEPTANCE_DECAY + (accepted < drafted)
         if accepted:
             request.spec_misses = 0
             return

@@ -12,7 +12,14 @@ from typing import Any
 
 import pytest
 
-from neuron_lmi.bench.protocols import LMIStreamParser, OpenAIStreamParser, ServerError, TGIStreamParser
+from neuron_lmi.bench.protocols import (
+    Api,
+    LMIStreamParser,
+    OpenAIStreamParser,
+    RequestOptions,
+    ServerError,
+    TGIStreamParser,
+)
 from neuron_lmi.bench.report import percentile
 from neuron_lmi.bench.runner import LEVEL_INDEX_STRIDE
 from neuron_lmi.bench.workload import TokenCount, Workload, parse_token_count
@@ -155,6 +162,15 @@ def test_full_url_is_used_as_given(fake_server, tmp_path) -> None:
     code, results = run_bench(["--url", url, "--api", "openai", "--requests", "2"], tmp_path)
     assert code == 0 and results["config"]["url"] == url
     assert all("prompt" in body for body in fake_server.state.bodies)
+
+
+def test_several_models_are_asked_for_in_turn() -> None:
+    """``--model a,b,c`` (a base model and its adapters): request i names models[i % 3]."""
+    api = Api("openai", RequestOptions(models=("base", "a1", "a2"), openai_endpoint="completions"))
+    workload = Workload(parse_token_count("8"), parse_token_count("4"), 0)
+    named = [api.body(workload.request(i), stream=True)["model"] for i in range(5)]
+    assert named == ["base", "a1", "a2", "base", "a1"]
+    assert "model" not in Api("openai", RequestOptions()).body(workload.request(0), stream=True)
 
 
 def test_stream_parsers_report_errors_and_skip_comments() -> None:

@@ -19,10 +19,13 @@ from neuron_lmi.engine.request import Request
 from neuron_lmi.engine.speculation import (
     MISSES_BEFORE_PAUSE,
     PAUSE_STEPS,
+    DraftCost,
     Speculator,
+    acceptance,
     propose_ngram,
     rejection_sample,
     sampling_logits,
+    worth_drafting,
 )
 from neuron_lmi.engine.types import FinishReason, SamplingParams, TokenEvent
 
@@ -195,6 +198,56 @@ def test_a_request_backs_off_after_drafts_with_nothing_accepted() -> None:
     assert request.spec_misses == 0 and speculator.counters.accepted_per_pos == [1, 0, 0, 0]
     short = Request("s", [1, 2, 3, 1, 2, 3], SamplingParams(max_new_tokens=3), None, output_ids=[1])
     assert speculator.draft(short) == (2,)  # the model's own token always follows the drafts
+
+
+def test_the_cost_line_is_fitted_from_the_forwards_seen() -> None:
+    cost = DraftCost()
+    assert cost.line() is None and cost.break_even(16) is None
+    cost.observe(16, 0.018 + 0.00133 * 16)
+    cost.observe(16, 0.018 + 0.00133 * 16)
+    assert cost.line() is None  # one size of forward gives no slope
+    for tokens in (20, 48, 33, 64, 17):
+        cost.observe(tokens, 0.018 + 0.00133 * tokens)
+    a, b = cost.line()
+    assert a == pytest.approx(0.018, rel=1e-6) and b == pytest.approx(0.00133, rel=1e-6)
+    assert cost.break_even(16) == pytest.approx(0.00133 * 16 / (0.018 + 0.00133 * 16))
+    assert cost.break_even(1) < 0.1  # at batch 1 nearly any draft pays
+
+
+def test_drafts_are_capped_by_what_they_are_worth() -> None:
+    """A fresh row at the batch-16 line above drafts while 0.8 ** j > 0.54 (one token); a row whose
+    drafts are accepted drafts all k; one whose drafts fail drafts none, forgets that while idle,
+    and tries again. A seeded sampled row drafts what the lookup finds (its tokens stay the seed's)."""
+    cost = DraftCost()
+    for tokens in (16, 20, 48, 33, 64, 17):
+        cost.observe(tokens, 0.018 + 0.00133 * tokens)
+    speculator = Speculator(NGRAM, max_verify_tokens=64, n_positions=256)
+    speculator.cost = cost
+    ids = [1, 2, 3, 4, 5, 6, 1, 2, 3]
+
+    def row(name: str, **params: object) -> Request:
+        return Request(name, list(ids), SamplingParams(max_new_tokens=50, **params), None, output_ids=[4])
+
+    fresh = row("fresh")
+    assert acceptance(fresh) == pytest.approx(0.8)
+    assert worth_drafting(fresh, cost.break_even(16), 4) == 2  # 0.8 ** 2 = 0.64 > 0.54 > 0.8 ** 3
+    assert len(speculator.draft(fresh, rows=16)) == 2
+    assert len(speculator.draft(fresh, rows=1)) == 4
+    good, bad = row("good"), row("bad")
+    for _ in range(6):
+        speculator.observe(good, 4, 4)
+        speculator.observe(bad, 2, 1)
+    assert len(speculator.draft(good, rows=16)) == 4
+    assert speculator.draft(bad, rows=16) == ()
+    idle = 1
+    while not speculator.draft(bad, rows=16):  # drifting back towards the prior
+        idle += 1
+        assert idle < 30
+    seeded = row("seeded", temperature=0.7, seed=3)
+    for _ in range(6):
+        speculator.observe(seeded, 2, 0)
+        seeded.spec_misses = 0  # (no pause: the cap alone is under test)
+    assert len(speculator.draft(seeded, rows=16)) == 4
 
 
 def total_variation(draws: list[int], probs: torch.Tensor) -> float:

@@ -335,18 +335,22 @@ class CompiledDecode(FrozenPackage):
         starts: Sequence[int],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        logit_counts: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Write ``chunks[i]`` into ``rows[i]`` after its ``starts[i]`` positions (slots reserved by
-        the caller, who sets the rows' lengths); logits of each chunk's last token ``[n, vocab]``."""
+        the caller, who sets the rows' lengths); logits of each chunk's last token ``[n, vocab]``,
+        or with ``logit_counts`` of each chunk's last ``logit_counts[i]`` tokens in line order
+        (verify lines: the graph's ``last`` is any set of tokens, its last layer runs for those)."""
+        counts = logit_counts or [1] * len(chunks)
         tokens: list[int] = []
         token_rows: list[int] = []
         positions: list[int] = []
         last: list[int] = []
-        for row, chunk, start in zip(rows, chunks, starts, strict=True):
+        for row, chunk, start, count in zip(rows, chunks, starts, counts, strict=True):
             tokens.extend(chunk)
             token_rows.extend([row] * len(chunk))
             positions.extend(range(start, start + len(chunk)))
-            last.append(len(tokens) - 1)
+            last.extend(range(len(tokens) - count, len(tokens)))
         key_len = max(MIN_ATTN_LEN, max(positions) + 1)
         inputs = [torch.tensor(values, dtype=torch.long) for values in (tokens, token_rows, positions, last)]
         (out,) = self._run([*inputs, torch.arange(key_len), k_cache, v_cache])

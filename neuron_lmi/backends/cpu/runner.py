@@ -44,10 +44,11 @@ class CpuRunner(ForwardByKind):
     take no adapter, so such a batch (its base lines too: a mixed step is one batch) goes eager,
     every line written from its start. A batch without adapters takes the usual path unchanged.
 
-    A batch with ``StepBatch.logit_counts`` (speculative decodes' verify lines) runs the eager
-    extend too, returning the logits of each line's last positions (``verify``): the compiled graphs
-    return last-token logits only, so ``mixed_verify`` is off and the scheduler sends such lines as
-    an EXTEND batch of their own, each at most ``max_verify_tokens`` (the largest context bucket).
+    A batch with ``StepBatch.logit_counts`` (speculative decodes' verify lines) returns the logits
+    of each line's last positions (``verify``). The step graph computes them for any set of a
+    batch's tokens, so with it verify lines ride in the mixed step (``mixed_verify``) and a step
+    with drafts stays one compiled forward; without it, or past its limits, they run the eager
+    extend. A verify line is at most ``max_verify_tokens`` (the largest context bucket).
     """
 
     def __init__(
@@ -101,10 +102,10 @@ class CpuRunner(ForwardByKind):
             prefill_as_extend=extend and (compiled_decode is not None or compiled_extend is not None),
             lora_slots=lora_slots,
             lora_rank=lora_rank if lora_slots else 0,
-            # A verify line is an eager extend line, so at most the longest chunk; the compiled
-            # graphs return last-token logits only, so verify lines never ride in a mixed step.
+            # A verify line is at most the longest chunk (the eager extend's bound); the step graph
+            # returns the logits of any tokens, so verify lines ride in its mixed step.
             max_verify_tokens=self.context_buckets[-1] if extend else 0,
-            mixed_verify=False,
+            mixed_verify=mixed,
         )
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
@@ -179,14 +180,23 @@ class CpuRunner(ForwardByKind):
     def extend(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append ``chunks[i]`` to ``rows[i]`` after the positions it holds; returns the logits of
         each chunk's last token. A chunk is at most the largest context bucket (``max_chunk_tokens``)."""
-        starts = self._check_lines("extend", rows, chunks)
+        return self._extend_lines(rows, chunks, self._check_lines("extend", rows, chunks))
+
+    def _extend_lines(
+        self,
+        rows: Sequence[int],
+        chunks: Sequence[Sequence[int]],
+        starts: list[int],
+        logit_counts: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """The checked lines through the step graph where it covers them, else the eager extend."""
         step = self.compiled_decode
         if step is not None and step.covers_chunks(starts, [len(c) for c in chunks]):
-            logits = step(rows, chunks, starts, self.cache.k, self.cache.v)
+            logits = step(rows, chunks, starts, self.cache.k, self.cache.v, logit_counts)
             for row, start, chunk in zip(rows, starts, chunks, strict=True):
                 self.rows.set_length(row, start + len(chunk))
             return logits
-        return self._extend_eager(rows, chunks)
+        return self._extend_eager(rows, chunks, last=logit_counts)
 
     def _extend_eager(
         self,
@@ -243,16 +253,16 @@ class CpuRunner(ForwardByKind):
         """``extend``, returning the logits of each line's last ``logit_counts[i]`` positions in line
         order, ``[sum(logit_counts), vocab]`` (speculative decodes are verified from them).
 
-        The whole batch runs the eager extend as it comes: the compiled graphs return last-token
-        logits only, which is why ``mixed_verify`` is off and the scheduler sends verify lines as an
-        EXTEND batch of their own, none longer than ``max_verify_tokens``."""
-        self._check_lines("verify", rows, chunks)
+        The batch (a mixed step's lines, the others' counts 1, or verify lines alone) runs the step
+        graph where it covers the batch, else the eager extend; none is longer than
+        ``max_verify_tokens``."""
+        starts = self._check_lines("verify", rows, chunks)
         if len(logit_counts) != len(rows):
             raise ValueError("verify: rows and logit_counts differ in length")
         longest = self.capabilities.max_verify_tokens
         if any(len(chunk) > longest for chunk in chunks):
             raise ValueError(f"verify: a line of {max(map(len, chunks))} tokens exceeds {longest}")
-        return self._extend_eager(rows, chunks, last=logit_counts)
+        return self._extend_lines(rows, chunks, starts, logit_counts)
 
     def _extend_bucket(
         self,

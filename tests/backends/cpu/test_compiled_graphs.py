@@ -4,6 +4,7 @@ one compile per model and shape (then a cache hit), eager wherever a package doe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -422,15 +423,26 @@ def test_speculation_with_compiled_graphs_is_token_identical_to_eager_without(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """n-gram speculation on the served runner (compiled graphs, ``option.speculative_config`` as
-    a configuration key): rows that join mid-batch make steps that hold a mixed batch (prompt chunks
-    and plain decodes, in the step graph) and a batch of drafts to verify beside it (the graphs give
-    one logit per line: ``mixed_verify`` is off). Greedy tokens equal the eager engine's without
-    speculation, drafts are accepted, and every row is freed."""
+    a configuration key): rows that join mid-batch make steps whose one mixed batch holds prompt
+    chunks, plain decodes and drafts to verify (``mixed_verify``: the step graph returns the logits
+    of every position of a verify line), and no verify runs the eager extend. Greedy tokens equal
+    the eager engine's without speculation, drafts are accepted, and every row is freed."""
     monkeypatch.setenv("NEURON_LMI_CACHE_DIR", str(tmp_path))
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
     eager, compiled = _llm(tiny_llama_dir), _llm(tiny_llama_dir, enforce_eager=False, speculative_config=spec)
     runner, core = compiled.core.runner, compiled.core
-    assert core.speculator is not None and not runner.capabilities.mixed_verify
+    assert core.speculator is not None and runner.capabilities.mixed_verify
+    eager_verifies: list[int] = []
+    extend_eager = runner._extend_eager
+
+    def recorded_extend_eager(
+        rows: Sequence[int], chunks: Sequence[Sequence[int]], adapters: object = None, last: object = None
+    ) -> torch.Tensor:
+        if last is not None:
+            eager_verifies.append(len(rows))
+        return extend_eager(rows, chunks, adapters, last)
+
+    runner._extend_eager = recorded_extend_eager  # type: ignore[method-assign]
     phrase = list(range(300, 307))
     prompts = [
         phrase * 4,
@@ -440,12 +452,12 @@ def test_speculation_with_compiled_graphs_is_token_identical_to_eager_without(
         list(range(500, 560)),
     ]
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (30, 12, 25, 20, 9)]
-    kinds: list[list[tuple[BatchKind, bool]]] = []
+    kinds: list[list[tuple[BatchKind, tuple[int, ...]]]] = []
     step = core.scheduler.next_step
 
     def recorded_step() -> object:
         plan = step()
-        kinds.append([(b.kind, bool(b.logit_counts)) for b, _ in plan.batches])
+        kinds.append([(b.kind, b.logit_counts) for b, _ in plan.batches])
         return plan
 
     core.scheduler.next_step = recorded_step  # type: ignore[method-assign]
@@ -454,7 +466,14 @@ def test_speculation_with_compiled_graphs_is_token_identical_to_eager_without(
     assert got == want
     counters = core.speculator.counters
     assert counters.drafts > 0 and 0 < counters.accepted_tokens <= counters.draft_tokens
-    verify = (BatchKind.EXTEND, True)
-    assert any(verify in step_kinds and len(step_kinds) > 1 for step_kinds in kinds)
-    assert runner.compiled_decode.steps > 0  # the plain decodes and prompt chunks ran in the graph
+    mixed_verifies = [
+        counts
+        for step_kinds in kinds
+        for kind, counts in step_kinds
+        if kind is BatchKind.EXTEND and max(counts, default=1) > 1 and min(counts) == 1
+    ]
+    assert mixed_verifies  # verify lines rode beside plain decodes or prompt chunks in one batch
+    assert all(len(step_kinds) == 1 for step_kinds in kinds)  # one forward per step
+    assert eager_verifies == []  # every verify ran in the step graph
+    assert runner.compiled_decode.steps == len(kinds)
     assert runner.rows.in_use() == []
