@@ -9,8 +9,9 @@ it does not. Two loads, replayed closed-loop on an ``EngineCore`` built in this 
   passages are short sentences drawn from fixed word lists with a seed: no download.
 - ``decode``: ``engine_replay``'s ``Workload`` (60-token word salad, 128 new tokens, ignore_eos).
 
-    python -m bench.speculation [--model smollm2 --dtype fp32 --loads copy,decode --concurrency 1,16
-        --requests N --k 4 --prompt-lookup-min 2 --prompt-lookup-max 4 --n-positions 1024 --out F]
+    python -m bench.speculation [--model smollm2 --dtype fp32 --quantize int4 --loads copy,decode
+        --concurrency 1,16 --requests N --k 4 --prompt-lookup-min 2 --prompt-lookup-max 4
+        --n-positions 1024 --out F]
 
 The engine without speculation runs every (load, concurrency) first and is freed, then the engine
 with it (each has the machine to itself). Each run follows a warm-up of ``concurrency`` other
@@ -169,6 +170,7 @@ def run_engine(
     core = LLM(
         args.model, dtype=args.dtype, enforce_eager=args.eager, n_positions=args.n_positions,
         max_rolling_batch_size=args.batch or max(c for _, c in keys), speculative_config=speculative,
+        **({"quantize": args.quantize} if args.quantize else {}),
     ).core  # fmt: skip
     results: dict[Key, dict[str, float]] = {}
     outputs: dict[Key, list[list[int]]] = {}
@@ -213,6 +215,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--quantize", choices=("int8", "int4"), help="option.quantize (smollm2: Q4_1 codes)")
     parser.add_argument("--loads", default="copy,decode")
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--requests", type=int, help="per run (default: 2 x concurrency, at least 4)")

@@ -15,12 +15,13 @@ def power_of_two_buckets(n_positions: int, start: int = MIN_BUCKET) -> list[int]
     return list(token_generation_buckets(n_positions, start))
 
 
-def chunk_buckets(largest: int, step: int = 64, start: int = 16) -> list[int]:
-    """Lengths an ``extend`` chunk is padded to on the eager CPU path: ``16, 32, 64``, then every
-    multiple of ``step`` up to ``largest`` (itself the last). Nothing is compiled per shape there,
-    so fine steps only save padding: a 24-token prompt tail costs 32 positions, not 128, and a
-    192-token chunk (a 256-token step less 64 decodes) costs exactly 192."""
-    buckets = [b for b in (start, 2 * start, 4 * start) if b < min(step, largest)]
+def chunk_buckets(largest: int, step: int = 64) -> list[int]:
+    """Lengths an ``extend`` chunk is padded to on the eager CPU path: the powers of two below
+    ``step``, then every multiple of ``step`` up to ``largest`` (itself the last). Nothing is
+    compiled per shape there, so fine steps only save padding: a decode line (an adapted batch's,
+    one token) costs one position, not 16; a verify line of five tokens eight; a 24-token prompt
+    tail 32, not 128; and a 192-token chunk (a 256-token step less 64 decodes) exactly 192."""
+    buckets = [1 << i for i in range(step.bit_length()) if (1 << i) < min(step, largest)]
     buckets += range(step, largest, step)
     return [*buckets, largest]
 

@@ -54,6 +54,6 @@ def test_extend_refuses_empty_repeated_and_overflowing_chunks(model) -> None:
 
 
 def test_chunk_buckets_are_fine_below_the_largest_context_bucket() -> None:
-    assert chunk_buckets(512) == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
-    assert chunk_buckets(100) == [16, 32, 64, 100]
-    assert chunk_buckets(32) == [16, 32] and chunk_buckets(8) == [8]
+    assert chunk_buckets(512) == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
+    assert chunk_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert chunk_buckets(32) == [1, 2, 4, 8, 16, 32] and chunk_buckets(8) == [1, 2, 4, 8]
