@@ -402,7 +402,7 @@ def bench_adapter_load(url: str, args: argparse.Namespace, out: Path, cmd: list[
     worst, overlapped = 0.0, 0
     for stream in json.loads(timeline.read_text())["levels"][0]["requests"]:
         times = [stream["sent_at"] + t for t in stream["token_times"]]
-        gaps = [(a, b) for a, b in itertools.pairwise(times)]
+        gaps = list(itertools.pairwise(times))
         if len(gaps) < 2:
             continue
         p50 = statistics.median(b - a for a, b in gaps)

@@ -202,8 +202,7 @@ class Scheduler:
         speculator = self.speculator
         if speculator is None:
             return {}
-        rows = len(decoding)
-        return {r: draft for r in decoding if (draft := speculator.draft(r, rows))}
+        return speculator.drafts(decoding)
 
     def _admit(self, free_rows: int, budget: int, chunks: list[PrefillChunk]) -> list[Request]:
         admitted: list[Request] = []

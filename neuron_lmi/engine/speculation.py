@@ -2,7 +2,7 @@
 
 One decode step of a row with a draft::
 
-    Scheduler.schedule    Speculator.draft(request): up to k tokens that followed the earliest earlier
+    Scheduler.schedule    Speculator.drafts(rows), per row: up to k tokens that followed the earliest earlier
                           occurrence of the row's longest suffix n-gram (prompt_lookup_min..max long),
                           searched over prompt + output, as vLLM's NgramProposer does
     Scheduler._batches    the decode as one EXTEND line [last token, d1..dk] from the row's length,
@@ -281,9 +281,14 @@ class Speculator:
         self.counters = SpecCounters(config.num_speculative_tokens)
         self.cost = DraftCost()
 
-    def draft(self, request: Request, rows: int = 1) -> tuple[int, ...]:
-        """The draft for ``request``'s next decode step in a step decoding ``rows`` rows (empty:
-        decode one token)."""
+    def drafts(self, decoding: Sequence[Request]) -> dict[Request, tuple[int, ...]]:
+        """The drafts of a step's decoding rows (those with one), the cost line read once."""
+        break_even = self.cost.break_even(len(decoding))
+        return {r: draft for r in decoding if (draft := self.draft(r, break_even))}
+
+    def draft(self, request: Request, break_even: float | None = None) -> tuple[int, ...]:
+        """The draft for ``request``'s next decode step (empty: decode one token); ``break_even``
+        is the step's ``DraftCost.break_even`` (None: no cap)."""
         params = request.params
         if not speculates(params, len(request.output_ids)):
             return ()
@@ -297,7 +302,7 @@ class Speculator:
             params.max_new_tokens - len(request.output_ids) - 1,
         )
         if params.greedy or params.seed is None:  # the cap cannot change such a row's tokens
-            room = worth_drafting(request, self.cost.break_even(rows), room)
+            room = worth_drafting(request, break_even, room)
             if room < 1:
                 request.spec_accepted *= ACCEPTANCE_DECAY  # drift back towards the prior
                 request.spec_rejected *= ACCEPTANCE_DECAY

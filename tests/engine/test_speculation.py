@@ -231,23 +231,23 @@ def test_drafts_are_capped_by_what_they_are_worth() -> None:
     fresh = row("fresh")
     assert acceptance(fresh) == pytest.approx(0.8)
     assert worth_drafting(fresh, cost.break_even(16), 4) == 2  # 0.8 ** 2 = 0.64 > 0.54 > 0.8 ** 3
-    assert len(speculator.draft(fresh, rows=16)) == 2
-    assert len(speculator.draft(fresh, rows=1)) == 4
+    assert len(speculator.draft(fresh, cost.break_even(16))) == 2
+    assert len(speculator.draft(fresh, cost.break_even(1))) == 4
     good, bad = row("good"), row("bad")
     for _ in range(6):
         speculator.observe(good, 4, 4)
         speculator.observe(bad, 2, 1)
-    assert len(speculator.draft(good, rows=16)) == 4
-    assert speculator.draft(bad, rows=16) == ()
+    assert len(speculator.draft(good, cost.break_even(16))) == 4
+    assert speculator.draft(bad, cost.break_even(16)) == ()
     idle = 1
-    while not speculator.draft(bad, rows=16):  # drifting back towards the prior
+    while not speculator.draft(bad, cost.break_even(16)):  # drifting back towards the prior
         idle += 1
         assert idle < 30
     seeded = row("seeded", temperature=0.7, seed=3)
     for _ in range(6):
         speculator.observe(seeded, 2, 0)
         seeded.spec_misses = 0  # (no pause: the cap alone is under test)
-    assert len(speculator.draft(seeded, rows=16)) == 4
+    assert len(speculator.draft(seeded, cost.break_even(16))) == 4
 
 
 def total_variation(draws: list[int], probs: torch.Tensor) -> float:
