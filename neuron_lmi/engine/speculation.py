@@ -189,8 +189,11 @@ class DraftCost:
         self.tokens_seconds = self.tokens_seconds * d + tokens * seconds
 
     def line(self) -> tuple[float, float] | None:
-        """``(a, b)``: seconds per forward and per token, neither below 0; None until the forwards
-        seen differ enough in size to give a slope."""
+        """``(a, b)``: seconds per forward (above 0) and per token (at least 0); None until the
+        forwards seen differ enough in size to give a slope, and while the fit puts no time on a
+        forward of nothing. Every forward has a fixed cost (its weights are read once), so an
+        intercept at or below 0 is timing noise over few sizes, and clamping it to 0 would make
+        every draft look unpaid (``break_even`` 1)."""
         w = self.weight
         if w < 2.0:
             return None
@@ -199,7 +202,8 @@ class DraftCost:
         if spread < MIN_TOKEN_SPREAD:
             return None
         slope = max((self.tokens_seconds / w - mean_t * mean_s) / spread, 0.0)
-        return max(mean_s - slope * mean_t, 0.0), slope
+        intercept = mean_s - slope * mean_t
+        return (intercept, slope) if intercept > 0.0 else None
 
     def break_even(self, rows: int) -> float | None:
         """``b B / t(B)`` at ``B = rows``: the probability of being emitted above which a draft token

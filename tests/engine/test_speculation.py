@@ -212,6 +212,10 @@ def test_the_cost_line_is_fitted_from_the_forwards_seen() -> None:
     assert a == pytest.approx(0.018, rel=1e-6) and b == pytest.approx(0.00133, rel=1e-6)
     assert cost.break_even(16) == pytest.approx(0.00133 * 16 / (0.018 + 0.00133 * 16))
     assert cost.break_even(1) < 0.1  # at batch 1 nearly any draft pays
+    noisy = DraftCost()
+    for tokens, seconds in ((4, 0.001), (40, 0.020), (8, 0.002)):  # the fit crosses 0 below 1 token
+        noisy.observe(tokens, seconds)
+    assert noisy.line() is None and noisy.break_even(16) is None  # no cap from a line like that
 
 
 def test_drafts_are_capped_by_what_they_are_worth() -> None:
