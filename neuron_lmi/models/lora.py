@@ -12,12 +12,14 @@ fused output, in its own rank columns (block-diagonal), with the PEFT scale fold
 so ``y = x W^T + (x A^T) B^T`` is the merged weight's output ``x (W + s B A)^T`` for every module
 at once. ``s`` is PEFT's ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``).
 
-``LoraSlots`` holds ``n_slots`` adapters per projection as ``A [slots, R, in]``, ``B [slots, out, R]``,
-zero-padded to the projection's rank room ``R`` (``max_lora_rank`` times its module count), so a
-slot is overwritten in place when another adapter moves in. A forward with adapted lines gets a
-``LoraBatch``: which lines use which slot; each adapted projection then adds, for each slot in the
-batch, one ``(x[lines] A^T) B^T`` over that slot's lines (``add_lora``): one small matmul pair per
-adapter present, never a forward per adapter, and nothing at all where no line is adapted.
+``LoraSlots`` holds ``n_slots`` adapters per projection as ``A [layers, slots, R, in]``, ``B [layers,
+slots, out, R]``, zero-padded to the projection's rank room ``R`` (``max_lora_rank`` times its module
+count), so a slot is overwritten in place when another adapter moves in. A forward with adapted
+lines gets a ``LoraBatch``: which lines use which slot; each adapted projection then adds, for each
+slot in the batch, one ``(x[lines] A^T) B^T`` over that slot's lines (``add_lora``, through the op
+``neuron_lmi::lora_delta``): one small matmul pair per adapter present, never a forward per adapter,
+and nothing at all where no line is adapted. The compiled step graph takes the stacked slots and
+the line slots as inputs and calls the same op, so adapted batches stay compiled.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 
+from neuron_lmi.models import ops
 from neuron_lmi.models.args import ModelArgs
 
 CONFIG_FILE = "adapter_config.json"
@@ -239,11 +242,13 @@ def _fuse(
 
 
 class LoraSlots:
-    """``n_slots`` adapters resident beside the model: per layer and adaptable projection, ``A
-    [n_slots, R, in]`` and ``B [n_slots, out, R]``, ``R = max_rank x`` the projection's module count.
+    """``n_slots`` adapters resident beside the model: per adaptable projection, every layer's slots
+    stacked, ``A [layers, n_slots, R, in]`` and ``B [layers, n_slots, out, R]``, ``R = max_rank x``
+    the projection's module count (``stacked``: what the compiled step graph takes as inputs).
 
     Invariant: a slot holds one adapter's weights zero-padded to ``R``, or zeros (free); writing a
-    slot touches no other, so lines of the other slots run unchanged while an adapter moves in.
+    slot touches no other, in place, so lines of the other slots run unchanged while an adapter
+    moves in, and a compiled graph handed these tensors sees the new adapter on its next call.
     """
 
     def __init__(
@@ -252,72 +257,90 @@ class LoraSlots:
         if n_slots < 1 or max_rank < 1:
             raise ValueError(f"LoRA needs max_loras >= 1 and max_lora_rank >= 1, got {n_slots}, {max_rank}")
         self.n_slots, self.max_rank, self.projections = n_slots, max_rank, projections
+        self.n_layers = args.n_layers
         shapes = projection_shapes(args)
-        self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
-        for _ in range(args.n_layers):
-            layer = {}
-            for projection in sorted(projections):
-                d_in, outs = shapes[projection]
-                room = max_rank * len(outs)
-                layer[projection] = (
-                    torch.zeros(n_slots, room, d_in, dtype=dtype),
-                    torch.zeros(n_slots, sum(outs), room, dtype=dtype),
-                )
-            self.layers.append(layer)
+        self.stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for projection in sorted(projections):
+            d_in, outs = shapes[projection]
+            room = max_rank * len(outs)
+            self.stacked[projection] = (
+                torch.zeros(args.n_layers, n_slots, room, d_in, dtype=dtype),
+                torch.zeros(args.n_layers, n_slots, sum(outs), room, dtype=dtype),
+            )
 
     def write(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Put ``adapter`` into ``slot`` (None: clear it)."""
         if not 0 <= slot < self.n_slots:
             raise ValueError(f"LoRA slot {slot} outside [0, {self.n_slots})")
-        for i, layer in enumerate(self.layers):
-            given = adapter.layers[i] if adapter is not None else {}
-            for projection, (a_slots, b_slots) in layer.items():
-                a_slots[slot].zero_()
-                b_slots[slot].zero_()
+        for projection, (a_slots, b_slots) in self.stacked.items():
+            a_slots[:, slot].zero_()
+            b_slots[:, slot].zero_()
+            if adapter is None:
+                continue
+            for i, given in enumerate(adapter.layers):
                 if projection in given:
                     a, b = given[projection]
-                    a_slots[slot, : a.shape[0]] = a
-                    b_slots[slot, :, : b.shape[1]] = b
+                    a_slots[i, slot, : a.shape[0]] = a
+                    b_slots[i, slot, :, : b.shape[1]] = b
 
-    def batch(self, line_slots: Sequence[int | None]) -> LoraBatch | None:
-        """The forward's adapter inputs for lines using ``line_slots`` (None: no adapter); None when
-        no line is adapted (the model then does no LoRA work at all)."""
-        by_slot: dict[int, list[int]] = {}
-        for line, slot in enumerate(line_slots):
-            if slot is not None:
-                by_slot.setdefault(slot, []).append(line)
-        if not by_slot:
+    def line_slots(self, slots: Sequence[int | None]) -> torch.Tensor | None:
+        """``slots`` as the op's int64 line index (-1: no adapter), or None where no line is adapted
+        (the model then does no LoRA work at all)."""
+        if all(slot is None for slot in slots):
             return None
-        groups = tuple((s, torch.tensor(lines, dtype=torch.long)) for s, lines in sorted(by_slot.items()))
-        return LoraBatch(groups, self)
+        return torch.tensor([-1 if slot is None else slot for slot in slots], dtype=torch.long)
+
+    def batch(self, slots: Sequence[int | None]) -> LoraBatch | None:
+        """The forward's adapter inputs for lines using ``slots`` (None: no adapter); None when
+        no line is adapted."""
+        lines = self.line_slots(slots)
+        return None if lines is None else LoraBatch(lines, self.stacked)
+
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        """The stacked weights in ``LoraBatch.from_inputs``'s order (sorted projections, A then B)."""
+        return tuple(t for projection in sorted(self.stacked) for t in self.stacked[projection])
 
 
 @dataclass(frozen=True, slots=True)
 class LoraBatch:
-    """Which lines (dim 0 of every activation) use which slot, for one forward."""
+    """Which lines (dim 0 of every activation) use which slot (``lines``, int64, -1: none), and the
+    slots' stacked weights by projection, for one forward."""
 
-    groups: tuple[tuple[int, torch.Tensor], ...]
-    slots: LoraSlots
+    lines: torch.Tensor
+    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @staticmethod
+    def from_inputs(
+        projections: Sequence[str], lines: torch.Tensor, weights: Sequence[torch.Tensor]
+    ) -> LoraBatch:
+        """The batch a compiled graph rebuilds from its inputs (``LoraSlots.inputs``' order)."""
+        ordered = sorted(projections)
+        if len(weights) != 2 * len(ordered):
+            raise ValueError(f"LoRA inputs: {len(weights)} tensors for projections {ordered}")
+        return LoraBatch(lines, {p: (weights[2 * i], weights[2 * i + 1]) for i, p in enumerate(ordered)})
 
     def layer(self, index: int) -> LayerLora:
-        return LayerLora(self.groups, self.slots.layers[index])
+        return LayerLora(self.lines, {p: (a[index], b[index]) for p, (a, b) in self.weights.items()})
+
+    def select(self, lines: torch.Tensor) -> LoraBatch:
+        """This batch for the lines at ``lines`` only (a graph's last layer over its output tokens)."""
+        return LoraBatch(self.lines[lines], self.weights)
 
 
 @dataclass(frozen=True, slots=True)
 class LayerLora:
-    """One layer's share of a ``LoraBatch``: the line groups and that layer's stacked weights."""
+    """One layer's share of a ``LoraBatch``: each line's slot and that layer's slot weights."""
 
-    groups: tuple[tuple[int, torch.Tensor], ...]
+    lines: torch.Tensor
     weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora: LayerLora | None, projection: str) -> torch.Tensor:
     """``y`` (``[lines, T, out]``, the base projection of ``x`` ``[lines, T, in]``) plus each adapted
-    line's ``(x A^T) B^T`` for its slot; ``y`` itself where nothing is adapted."""
+    line's ``(x A^T) B^T`` for its slot (``neuron_lmi::lora_delta``, in eager and compiled graphs
+    alike); ``y`` itself where nothing is adapted."""
     if lora is None or projection not in lora.weights:
         return y
     a_slots, b_slots = lora.weights[projection]
-    for slot, lines in lora.groups:
-        delta = (x.index_select(0, lines) @ a_slots[slot].T) @ b_slots[slot].T
-        y = y.index_add(0, lines, delta.to(y.dtype))
-    return y
+    ops.kernels()  # registered once per process (the engine has done it; a bare model may not have)
+    return torch.ops.neuron_lmi.lora_delta(y, x, lora.lines, a_slots, b_slots)

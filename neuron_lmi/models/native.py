@@ -3,7 +3,8 @@ builds and loads it and knows no op: ``ops`` registers the kernels, the library'
 Python ones.
 
 ``packed_linear.cpp`` (the packed GEMMs), ``decode_attention.cpp`` (the compiled decode's
-attention) and ``token_draw.cpp`` (the sampler's draw) compile as one translation unit
+attention), ``token_draw.cpp`` (the sampler's draw) and ``lora_delta.cpp`` (adapted lines' LoRA
+updates) compile as one translation unit
 (``native_kernels.cpp``) with torch's C++ extension builder (about 10 s, one core) into
 ``~/.cache/neuron-lmi/kernels/torch-<version>-<digest>``; later processes load the built library.
 A CPU engine starts the build on a thread (``ops.build_in_background``) as it begins loading its model.
@@ -39,7 +40,8 @@ log = logging.getLogger(__name__)
 
 NATIVE_ENV = "NEURON_LMI_NATIVE_KERNELS"  # "0": the Python kernels (debugging; their own tests)
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("packed_linear.cpp", "decode_attention.cpp", "token_draw.cpp")
+    Path(__file__).with_name(name)
+    for name in ("packed_linear.cpp", "decode_attention.cpp", "token_draw.cpp", "lora_delta.cpp")
 )
 HEADERS = (Path(__file__).with_name("vector_math.h"),)
 UNIT = Path(__file__).with_name("native_kernels.cpp")  # includes SOURCES: what the builder compiles

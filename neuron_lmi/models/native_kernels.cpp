@@ -4,3 +4,4 @@
 #include "packed_linear.cpp"
 #include "decode_attention.cpp"
 #include "token_draw.cpp"
+#include "lora_delta.cpp"

@@ -1,19 +1,19 @@
 """Every ``neuron_lmi::`` op's CPU kernel, registered once per process: the native library where it
 builds (``native``), else each op module's Python kernels.
 
-This module sits above both. The op modules (``decode_attention``, ``packed_linear``,
-``token_draw``) define the ops' schemas and fake kernels on import, and the library implements
-those ops, so they are imported before it loads. ``native`` builds and loads the library and knows
-no op; no op module imports this one.
+This module sits above both. The op modules (``decode_attention``, ``lora_delta``,
+``packed_linear``, ``token_draw``) define the ops' schemas and fake kernels on import, and the
+library implements those ops, so they are imported before it loads. ``native`` builds and loads
+the library and knows no op; no op module imports this one.
 """
 
 from __future__ import annotations
 
 import threading
 
-from neuron_lmi.models import decode_attention, host_isa, native, packed_linear, token_draw
+from neuron_lmi.models import decode_attention, host_isa, lora_delta, native, packed_linear, token_draw
 
-OP_MODULES = (decode_attention, packed_linear, token_draw)
+OP_MODULES = (decode_attention, lora_delta, packed_linear, token_draw)
 BUILD_THREAD = "neuron-lmi-native-build"
 
 _kernels: str | None = None  # "native" or "python", once registered

@@ -30,7 +30,9 @@ from neuron_lmi.backends.cpu.aot_runner import CompiledCpuRunner
 from neuron_lmi.backends.cpu.compiled_decode import (
     CompiledDecode,
     FrozenPackage,
+    StepLora,
     chunk_pair_limit,
+    compile_decode_package,
     decode_key_inputs,
     decode_unsupported,
     extend_graph_needed,
@@ -65,6 +67,7 @@ class CpuBuildPlan:
     units: tuple[CompileUnit, ...]
     aot: CpuPlan | None = None
     progress: bool = False
+    step_lora: StepLora | None = None  # the step package's adapter inputs (option.enable_lora)
 
     @property
     def n_graphs(self) -> int:
@@ -136,7 +139,8 @@ class CpuBackend:
             aot = CpuPlan.default(n_rows, n_positions, normalize_dtype(options.dtype_name()), estimate)
             return bucket_plan(model, path, aot, options, checkpoint, progress)
         if graphs == "frozen":
-            return frozen_plan(model, path, n_rows, n_positions, options, checkpoint)
+            lora = step_lora(options, model)
+            return frozen_plan(model, path, n_rows, n_positions, options, checkpoint, lora)
         return CpuBuildPlan(options, path, checkpoint, model, n_rows, n_positions, graphs, ())
 
     def compile(self, plan: CpuBuildPlan, unit: CompileUnit, out: Path) -> None:
@@ -145,6 +149,8 @@ class CpuBackend:
             if plan.aot is None:
                 raise ValueError("compile: a buckets unit in a plan without buckets")
             compile_cpu_entry(plan.model, plan.aot, out, progress=plan.progress)
+        elif unit.name == CompiledDecode.graph:
+            compile_decode_package(plan.model, plan.n_rows, plan.n_positions, out, plan.step_lora)
         else:
             FROZEN[unit.name].compile_package(plan.model, plan.n_rows, plan.n_positions, out)
 
@@ -202,12 +208,28 @@ def bucket_plan(
     )
 
 
+def step_lora(options: Any, model: Any) -> StepLora | None:
+    """The step package's adapter inputs where ``options`` serve LoRA adapters (``option.enable_lora``)
+    on a model that can run them; None otherwise."""
+    lora = getattr(options, "lora", None)
+    projections = model.lora_projections() if lora is not None else frozenset()
+    if lora is None or not projections:
+        return None
+    return StepLora(lora.max_loras, lora.max_lora_rank, tuple(sorted(projections)))
+
+
 def frozen_plan(
-    model: Any, path: Path, n_rows: int, n_positions: int, options: Any = None, checkpoint: Any = None
+    model: Any,
+    path: Path,
+    n_rows: int,
+    n_positions: int,
+    options: Any = None,
+    checkpoint: Any = None,
+    lora: StepLora | None = None,
 ) -> CpuBuildPlan:
-    """The plan of the frozen packages for ``model`` (loaded from ``path``): the step package, and the
-    extend package where the step graph leaves prompt chunks to it; no units (logged) where the
-    model or cache shape has no compiled step."""
+    """The plan of the frozen packages for ``model`` (loaded from ``path``): the step package (with
+    ``lora``'s adapter inputs), and the extend package where the step graph leaves prompt chunks to
+    it; no units (logged) where the model or cache shape has no compiled step."""
     names: list[str] = []
     reason = decode_unsupported(model, n_rows, n_positions)
     if reason is not None:
@@ -218,17 +240,20 @@ def frozen_plan(
         log.info("compiled extend not needed: the step graph runs every prompt chunk")
         names = [CompiledDecode.graph]
     units = tuple(
-        CompileUnit(name, decode_key_inputs(model, path, n_rows, n_positions, FROZEN[name].graph))
+        CompileUnit(name, decode_key_inputs(model, path, n_rows, n_positions, FROZEN[name].graph, lora))
         for name in names
     )
-    return CpuBuildPlan(options, Path(path), checkpoint, model, n_rows, n_positions, "frozen", units)
+    return CpuBuildPlan(
+        options, Path(path), checkpoint, model, n_rows, n_positions, "frozen", units, step_lora=lora
+    )
 
 
 def _open_package(plan: CpuBuildPlan, name: str, artifacts: Artifacts) -> FrozenPackage | None:
     kind, entry = FROZEN[name], artifacts.entry(name)
     limit = kind.size_limit(plan.model, plan.n_rows, plan.n_positions)
     try:
-        package = kind(entry.path / kind.package_file, limit, plan.n_positions)
+        lora = plan.step_lora if kind is CompiledDecode else None
+        package = kind(entry.path / kind.package_file, limit, plan.n_positions, lora)
     except Exception as exc:  # a package this torch cannot open: the engine runs eagerly, never crashes
         log.error("compiled %s off: the package of key=%s at %s failed to load (%s); running it eagerly",
                   name, entry.key, entry.path, exc)  # fmt: skip

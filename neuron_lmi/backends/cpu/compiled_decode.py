@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from types import MappingProxyType
@@ -45,10 +46,17 @@ from torch import nn
 
 from compile_cache.key import CacheKeyInputs, fingerprint_weights
 from neuron_lmi.backends.cpu.aot import DTYPE_NAMES, architecture_description, cpu_capability, load_package
-from neuron_lmi.backends.cpu.graphs import StepGraph, avx512_host, check_compilable, decode_attention_form
+from neuron_lmi.backends.cpu.graphs import (
+    LoraStepGraph,
+    StepGraph,
+    avx512_host,
+    check_compilable,
+    decode_attention_form,
+)
 from neuron_lmi.engine.scheduler import DEFAULT_STEP_TOKENS
 from neuron_lmi.models import host_isa, ops, packed_linear
 from neuron_lmi.models.llama import LlamaForCausalLM
+from neuron_lmi.models.lora import projection_shapes
 from neuron_lmi.models.native import host_cpu_flags
 from neuron_lmi.models.quant import (
     Int4Linear,
@@ -82,6 +90,32 @@ MIN_TOKENS, MIN_ATTN_LEN = 1, 2
 # block of a chunk's queries, faster than SDPA at every chunk length (docs/measurements.md).
 CHUNK_PAIR_LIMIT = 32_768
 CHUNK_PATH_HEAD_DIMS = (64, 128)  # decode_attention.cpp's chunk path; other dims run per query
+
+
+@dataclass(frozen=True, slots=True)
+class StepLora:
+    """The step graph's LoRA inputs (``graphs.LoraStepGraph``), fixed at compile time and part of its
+    key: ``slots`` adapters of rank up to ``max_rank`` on ``projections`` (sorted), as the runner's
+    ``models.lora.LoraSlots`` holds them."""
+
+    slots: int
+    max_rank: int
+    projections: tuple[str, ...]
+
+    @property
+    def flag(self) -> str:
+        return f"lora={self.slots}x{self.max_rank}:{'+'.join(self.projections)}"
+
+    def example_weights(self, model: LlamaForCausalLM) -> list[torch.Tensor]:
+        """Zero tensors of the shapes ``LoraSlots.inputs`` hands the graph, in its order."""
+        shapes, layers = projection_shapes(model.args), model.args.n_layers
+        out: list[torch.Tensor] = []
+        for projection in self.projections:
+            d_in, outs = shapes[projection]
+            room = self.max_rank * len(outs)
+            out.append(torch.zeros(layers, self.slots, room, d_in, dtype=model.dtype))
+            out.append(torch.zeros(layers, self.slots, sum(outs), room, dtype=model.dtype))
+        return out
 
 
 def chunk_pair_limit(model: LlamaForCausalLM) -> int | None:
@@ -200,10 +234,12 @@ def decode_key_inputs(
     n_rows: int,
     n_positions: int,
     graph: str = "step",
+    lora: StepLora | None = None,
 ) -> CacheKeyInputs:
     """The compile-cache key of a frozen-weights package (``graph``: ``step`` here,
     ``extend`` for ``compiled_extend``) for ``model`` over an ``n_rows x n_positions`` cache. One dynamic
-    graph covers every length, so both bucket lists are ``(n_positions,)``."""
+    graph covers every length, so both bucket lists are ``(n_positions,)``. ``lora``: the step
+    graph's adapter inputs (the extend graph takes none)."""
     configs = inductor_configs(model.dtype, graph, is_quantized(model))
     flags = (
         *(f"{k}={v}" for k, v in sorted(configs.items())),
@@ -214,6 +250,8 @@ def decode_key_inputs(
     )
     if graph == CompiledDecode.graph:
         flags = (*flags, f"decode_attention={decode_attention_form()}")
+        if lora is not None:
+            flags = (*flags, lora.flag)
     library = packed_gemm_library(model, graph)
     if library is not None:
         flags = (*flags, f"packed_gemm={packed_linear.op_name(library)}")
@@ -233,10 +271,12 @@ def decode_key_inputs(
     )
 
 
-def compile_decode_package(model: LlamaForCausalLM, n_rows: int, n_positions: int, out_dir: Path) -> None:
-    """Export ``StepGraph`` with dynamic token count, logit count and length; compile it into
-    ``out_dir``. Quantized weights stay quantized: the graph runs torch's packed kernels
-    (``tracing_packed_kernels``)."""
+def compile_decode_package(
+    model: LlamaForCausalLM, n_rows: int, n_positions: int, out_dir: Path, lora: StepLora | None = None
+) -> None:
+    """Export ``StepGraph`` (``LoraStepGraph`` with ``lora``) with dynamic token count, logit count
+    and length; compile it into ``out_dir``. Quantized weights stay quantized: the graph runs torch's
+    packed kernels (``tracing_packed_kernels``)."""
     a = model.args
     shape = (a.n_layers, n_rows, a.n_kv_heads, n_positions, a.head_dim)
     widest = token_limit(model, n_rows, n_positions)
@@ -256,17 +296,23 @@ def compile_decode_package(model: LlamaForCausalLM, n_rows: int, n_positions: in
     tokens = torch.export.Dim("tokens", min=MIN_TOKENS, max=widest)
     outputs = torch.export.Dim("outputs", min=1, max=widest)
     attn = torch.export.Dim("attn_len", min=MIN_ATTN_LEN, max=n_positions - 1)
-    dynamic = ({0: tokens}, {0: tokens}, {0: tokens}, {0: outputs}, {0: attn}, None, None)
+    dynamic: tuple[Any, ...] = ({0: tokens}, {0: tokens}, {0: tokens}, {0: outputs}, {0: attn}, None, None)
+    graph: nn.Module = StepGraph(model)
+    if lora is not None:
+        weights = lora.example_weights(model)
+        example = (*example, torch.zeros(n, dtype=torch.long), weights)
+        dynamic = (*dynamic, {0: tokens}, [None] * len(weights))
+        graph = LoraStepGraph(model, lora.projections)
     configs = inductor_configs(model.dtype, CompiledDecode.graph, is_quantized(model))
     library = packed_gemm_library(model, CompiledDecode.graph)
     with tracing_packed_kernels(), packed_linear.tracing_packed_linears(library, model.dtype):
-        export_package(StepGraph(model), example, dynamic, out_dir / PACKAGE_FILE, configs)
+        export_package(graph, example, dynamic, out_dir / PACKAGE_FILE, configs)
 
 
 def export_package(
     graph: nn.Module,
-    example: tuple[torch.Tensor, ...],
-    dynamic: tuple[dict[int, Any] | None, ...],
+    example: tuple[Any, ...],
+    dynamic: tuple[Any, ...],
     package_path: Path,
     configs: dict[str, object],
 ) -> None:
@@ -289,8 +335,11 @@ class FrozenPackage:
     graph: ClassVar[str]
     package_file: ClassVar[str]
 
-    def __init__(self, package_path: Path, limit: int, n_positions: int) -> None:
+    def __init__(
+        self, package_path: Path, limit: int, n_positions: int, lora: StepLora | None = None
+    ) -> None:
         self.limit, self.n_positions = limit, n_positions  # limit: ``size_limit``
+        self.lora = lora  # the adapter inputs the package takes (the step graph only)
         self._package = load_package(package_path)
         self._run = self._package.loader.run  # skips AOTICompiledModel.__call__'s pytree parsing
         self.steps = 0
@@ -308,7 +357,8 @@ class FrozenPackage:
 
 class CompiledDecode(FrozenPackage):
     """A loaded step package. ``covers_chunks`` says whether a step fits it (a decode is chunks of
-    one token); ``__call__`` runs one step."""
+    one token); ``__call__`` runs one step. With ``lora`` the package takes adapters as inputs
+    (``graphs.LoraStepGraph``): every call hands it each line's slot and the slots' weights."""
 
     graph = "step"
     package_file = PACKAGE_FILE
@@ -336,11 +386,17 @@ class CompiledDecode(FrozenPackage):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         logit_counts: Sequence[int] | None = None,
+        adapters: Sequence[int | None] | None = None,
+        lora_weights: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor:
         """Write ``chunks[i]`` into ``rows[i]`` after its ``starts[i]`` positions (slots reserved by
         the caller, who sets the rows' lengths); logits of each chunk's last token ``[n, vocab]``,
         or with ``logit_counts`` of each chunk's last ``logit_counts[i]`` tokens in line order
-        (verify lines: the graph's ``last`` is any set of tokens, its last layer runs for those)."""
+        (verify lines: the graph's ``last`` is any set of tokens, its last layer runs for those).
+        ``adapters``: each line's LoRA slot (None: the base model), and ``lora_weights`` the slots'
+        weights (``LoraSlots.inputs``): a package with ``lora`` takes them on every call."""
+        if (adapters is not None or lora_weights) and self.lora is None:
+            raise ValueError("this step package takes no adapters (compiled without option.enable_lora)")
         counts = logit_counts or [1] * len(chunks)
         tokens: list[int] = []
         token_rows: list[int] = []
@@ -353,6 +409,11 @@ class CompiledDecode(FrozenPackage):
             last.extend(range(len(tokens) - count, len(tokens)))
         key_len = max(MIN_ATTN_LEN, max(positions) + 1)
         inputs = [torch.tensor(values, dtype=torch.long) for values in (tokens, token_rows, positions, last)]
-        (out,) = self._run([*inputs, torch.arange(key_len), k_cache, v_cache])
+        inputs += [torch.arange(key_len), k_cache, v_cache]
+        if self.lora is not None:
+            slots = adapters or [None] * len(chunks)
+            per_token = [-1 if s is None else s for s, c in zip(slots, chunks, strict=True) for _ in c]
+            inputs += [torch.tensor(per_token, dtype=torch.long), *lora_weights]
+        (out,) = self._run(inputs)
         self.steps += 1
         return out

@@ -36,6 +36,7 @@ from torch import nn
 
 from neuron_lmi.models.decode_attention import compiled_decode_attention, decode_attention
 from neuron_lmi.models.llama import DecoderLayer, LlamaForCausalLM
+from neuron_lmi.models.lora import LoraBatch
 from neuron_lmi.models.rope import apply_rotary
 
 
@@ -169,13 +170,15 @@ def step_rows(
     key_pos: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    lora: LoraBatch | None = None,
 ) -> torch.Tensor:
     """``StepGraph``'s step: token i goes into cache row ``rows[i]`` at ``positions[i]`` and attends
     over that row up to its own position, so a row's decode token or a prompt chunk's consecutive
-    tokens are all one batch of queries; returns the logits of the tokens at ``last``."""
+    tokens are all one batch of queries; returns the logits of the tokens at ``last``. ``lora``:
+    each token's adapter slot and the slots' weights (``LoraStepGraph``)."""
     m = graph.model
     x = m.embed_tokens(tokens[:, None])
-    x = token_layers(graph, x, rows, positions, key_pos, None, k_cache, v_cache, outputs=last)
+    x = token_layers(graph, x, rows, positions, key_pos, None, k_cache, v_cache, outputs=last, lora=lora)
     return m.logits(x[:, 0])
 
 
@@ -189,11 +192,13 @@ def token_layers(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     outputs: torch.Tensor | None = None,
+    lora: LoraBatch | None = None,
 ) -> torch.Tensor:
     """Every layer over ``x`` ``[n, 1, hidden]``, one token per query: its K/V written to ``rows`` at
     ``positions`` (where ``keep`` is False the slot is rewritten with what it holds), then attention
     over its row's first ``len(key_pos)`` positions up to its own. Returns the last hidden state,
-    of the tokens at ``outputs`` only where it is given.
+    of the tokens at ``outputs`` only where it is given. ``lora``: each token's adapter slot (a token
+    is a line of the update) and the slots' weights.
 
     The last layer's attention output and MLP feed nothing but the final hidden state, so with
     ``outputs`` they run for those tokens alone: every token's K/V is still written, and the rows
@@ -206,7 +211,8 @@ def token_layers(
     mask = None if op else m.window_mask(positions[:, None], key_pos[None, :]).view(n, 1, 1, length)
     final = len(m.layers) - 1
     for i, layer in enumerate(m.layers):
-        q, k, v = layer.qkv(x)
+        adapted = None if lora is None else lora.layer(i)
+        q, k, v = layer.qkv(x, adapted)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Index the 5-D cache itself (layer as an index tensor, not a view): a write through
         # ``k_cache[i]`` would be functionalised into a copy of the whole cache per layer.
@@ -218,14 +224,15 @@ def token_layers(
         if i == final and outputs is not None:
             q, x, rows, positions = q[outputs], x[outputs], rows[outputs], positions[outputs]
             mask = None if mask is None else mask[outputs]
+            adapted = None if lora is None else lora.select(outputs).layer(i)
         if op:
             keys, values = k_cache[i, :, :, :length], v_cache[i, :, :, :length]
             attn = decode_attention(q, keys, values, rows, positions, m.scale, window)
         else:
             keys, values = k_cache[i, rows, :, :length], v_cache[i, rows, :, :length]
             attn = compiled_decode_attention(q, keys, values, mask, m.scale)
-        x = x + layer.attn_out(attn)
-        x = x + layer.mlp(x)
+        x = x + layer.attn_out(attn, adapted)
+        x = x + layer.mlp(x, adapted)
     return x
 
 
@@ -244,6 +251,37 @@ class StepGraph(_Graph):
     """
 
     forward = step_rows
+
+
+class LoraStepGraph(_Graph):
+    """``StepGraph`` with LoRA adapters as inputs, for an engine that serves them: the base weights
+    stay frozen constants, the adapters are the runner's ``LoraSlots`` tensors (rewritten in place as
+    adapters move in and out, so one compile serves every adapter), and every adapted projection
+    adds its lines' updates through ``neuron_lmi::lora_delta``, as the eager model does.
+
+    Inputs: ``StepGraph``'s, then ``token_slots`` int64 ``[n]`` (each token's slot, -1: the base
+    model) and ``weights`` (``LoraSlots.inputs``: per projection in sorted order, ``A [layers, slots,
+    R, in]`` then ``B [layers, slots, out, R]``).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, projections: Sequence[str]) -> None:
+        super().__init__(model)
+        self.projections = tuple(sorted(projections))
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        last: torch.Tensor,
+        key_pos: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        token_slots: torch.Tensor,
+        weights: list[torch.Tensor],
+    ) -> torch.Tensor:
+        lora = LoraBatch.from_inputs(self.projections, token_slots, weights)
+        return step_rows(self, tokens, rows, positions, last, key_pos, k_cache, v_cache, lora)
 
 
 def extend_rows(

@@ -39,10 +39,11 @@ class CpuRunner(ForwardByKind):
     (``mixed_limits``).
 
     With ``lora_slots`` the runner holds that many LoRA adapters (``models.lora.LoraSlots``, ranks
-    up to ``lora_rank``). A batch with adapted lines (``StepBatch.adapters``) runs the eager
-    ``extend`` whatever graphs are compiled: the compiled graphs have the base weights frozen in and
-    take no adapter, so such a batch (its base lines too: a mixed step is one batch) goes eager,
-    every line written from its start. A batch without adapters takes the usual path unchanged.
+    up to ``lora_rank``). A batch with adapted lines (``StepBatch.adapters``) runs the step graph
+    where it was compiled with those slots as inputs (``compiled_decode.lora``, ``LoraStepGraph``)
+    and covers the batch, every line written from its start; else (no such package, or past its
+    limits) the eager ``extend``, its base lines too (a mixed step is one batch). The extend package
+    takes no adapters. A batch without adapters takes the usual path unchanged.
 
     A batch with ``StepBatch.logit_counts`` (speculative decodes' verify lines) returns the logits
     of each line's last positions (``verify``). The step graph computes them for any set of a
@@ -93,6 +94,16 @@ class CpuRunner(ForwardByKind):
                 name = type(model).__name__
                 raise ValueError(f"option.enable_lora: {name} (as built here) cannot run LoRA adapters")
             self.lora = LoraSlots(model.args, projections, lora_slots, lora_rank, model.dtype)
+        step_lora = compiled_decode.lora if compiled_decode is not None else None
+        if step_lora is not None and (
+            self.lora is None
+            or (step_lora.slots, step_lora.max_rank) != (lora_slots, lora_rank)
+            or step_lora.projections != tuple(sorted(self.lora.projections))
+        ):
+            flag = step_lora.flag
+            raise ValueError(f"the step package's adapter inputs ({flag}) are not this runner's slots")
+        # What a step package with adapter inputs is handed on every call (views, written in place).
+        self._lora_inputs = self.lora.inputs() if step_lora is not None and self.lora is not None else ()
         self.capabilities = RunnerCapabilities(
             extend=extend,
             mixed_steps=mixed,
@@ -113,7 +124,8 @@ class CpuRunner(ForwardByKind):
             return ForwardByKind.forward(self, batch)
         for row, start in zip(batch.rows, batch.starts, strict=True):
             self.rows.set_length(row, start)
-        return self._extend_eager(batch.rows, batch.chunks, batch.adapters, batch.logit_counts or None)
+        counts = batch.logit_counts or None
+        return self._extend_lines(batch.rows, batch.chunks, list(batch.starts), counts, batch.adapters)
 
     def set_adapter(self, slot: int, adapter: LoraAdapter | None) -> None:
         if self.lora is None:
@@ -188,15 +200,33 @@ class CpuRunner(ForwardByKind):
         chunks: Sequence[Sequence[int]],
         starts: list[int],
         logit_counts: Sequence[int] | None = None,
+        adapters: Sequence[int | None] | None = None,
     ) -> torch.Tensor:
-        """The checked lines through the step graph where it covers them, else the eager extend."""
+        """The checked lines through the step graph where it covers them (adapted lines only where
+        it takes adapters), else the eager extend."""
         step = self.compiled_decode
-        if step is not None and step.covers_chunks(starts, [len(c) for c in chunks]):
-            logits = step(rows, chunks, starts, self.cache.k, self.cache.v, logit_counts)
+        takes = step is not None and (adapters is None or step.lora is not None)
+        if takes and step is not None and step.covers_chunks(starts, [len(c) for c in chunks]):
+            logits = self._step(rows, chunks, starts, logit_counts, adapters)
             for row, start, chunk in zip(rows, starts, chunks, strict=True):
                 self.rows.set_length(row, start + len(chunk))
             return logits
-        return self._extend_eager(rows, chunks, last=logit_counts)
+        return self._extend_eager(rows, chunks, adapters, last=logit_counts)
+
+    def _step(
+        self,
+        rows: Sequence[int],
+        chunks: Sequence[Sequence[int]],
+        starts: Sequence[int],
+        logit_counts: Sequence[int] | None = None,
+        adapters: Sequence[int | None] | None = None,
+    ) -> torch.Tensor:
+        """One call of the step package (with its adapter inputs where it takes them)."""
+        step = self.compiled_decode
+        if step is None:
+            raise ValueError("no step package is loaded")
+        k, v = self.cache.k, self.cache.v
+        return step(rows, chunks, starts, k, v, logit_counts, adapters, self._lora_inputs)
 
     def _extend_eager(
         self,
@@ -303,7 +333,7 @@ class CpuRunner(ForwardByKind):
         starts = positions.tolist()
         if compiled is not None and compiled.covers_chunks(starts, [1] * len(ordered)):
             chunks = [[t] for t in ordered_tokens]
-            logits = compiled(ordered, chunks, starts, self.cache.k, self.cache.v)
+            logits = self._step(ordered, chunks, starts)
             return in_asked_order(logits, order)
         # Each row's length bucket: the model may group rows by it, so a long row does not make the
         # others read its length.
