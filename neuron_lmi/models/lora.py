@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from neuron_lmi.models import ops
+from neuron_lmi.models import lora_delta as _lora_delta  # noqa: F401  (defines the op add_lora calls)
 from neuron_lmi.models.args import ModelArgs
 
 CONFIG_FILE = "adapter_config.json"
@@ -338,9 +338,9 @@ class LayerLora:
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora: LayerLora | None, projection: str) -> torch.Tensor:
     """``y`` (``[lines, T, out]``, the base projection of ``x`` ``[lines, T, in]``) plus each adapted
     line's ``(x A^T) B^T`` for its slot (``neuron_lmi::lora_delta``, in eager and compiled graphs
-    alike); ``y`` itself where nothing is adapted."""
+    alike, its kernel registered by ``ops.kernels``, as the engine does before its first step);
+    ``y`` itself where nothing is adapted."""
     if lora is None or projection not in lora.weights:
         return y
     a_slots, b_slots = lora.weights[projection]
-    ops.kernels()  # registered once per process (the engine has done it; a bare model may not have)
     return torch.ops.neuron_lmi.lora_delta(y, x, lora.lines, a_slots, b_slots)
