@@ -42,6 +42,9 @@ keywords as Llama. Checked against the library itself on the CPU (``tests/backen
     override on_cpu=true          NxD Inference's modeling code on the CPU (``to_cpu``): one rank, one
                                   bucket (n_positions), no fp16, no compile-cache entry; refused for
                                   an application the CPU mode cannot run (Qwen3-MoE)
+    speculative_config            draft_model / eagle / eagle3: fused speculation, speculation_length
+                                  = num_speculative_tokens + 1 and the draft's own NeuronConfig
+                                  (``speculation``); ngram refused
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from compile_cache import architecture_config
 from compile_cache.key import token_generation_buckets
 from neuron_lmi.backends.nxdi import defaults
 from neuron_lmi.backends.nxdi.applications import (
@@ -69,6 +73,7 @@ from neuron_lmi.backends.nxdi.fields import (
     NOT_TAKEN_DEFAULTS,
 )
 from neuron_lmi.backends.nxdi.model_checks import sliding_window, text_config
+from neuron_lmi.backends.nxdi.speculation import FusedSpeculation, plan_speculation
 from neuron_lmi.backends.nxdi.support import (
     DEFAULT_VERSION,
     Platform,
@@ -125,6 +130,7 @@ class NxdiPlan:
     profile: str | None = None
     environment: dict[str, str] = field(default_factory=dict)  # set before compile or load
     warnings: tuple[str, ...] = ()  # logged at start-up
+    speculation: FusedSpeculation | None = None  # the draft fused into the token-generation graph
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments exactly as passed: ``torch_dtype`` as the torch dtype object."""
@@ -155,6 +161,7 @@ class NxdiPlan:
             "inference_config": self.application.path(self.application.inference_config),
             "neuron_config_cls": f"{CONFIG_MODULE}.{self.application.neuron_config_cls}",
             "neuron_config": {k: v for k, v in self.neuron_config.items() if k not in LOCATION_FIELDS},
+            **({"speculation": _speculation_key(self.speculation)} if self.speculation else {}),
         }
 
     def describe(self) -> dict[str, Any]:
@@ -184,7 +191,15 @@ class NxdiPlan:
             "context_encoding_buckets": list(self.context_buckets),
             "token_generation_buckets": list(self.token_buckets),
             "ignored": dict(self.ignored),
+            "speculation": self.speculation.describe() if self.speculation is not None else None,
         }
+
+
+def _speculation_key(spec: FusedSpeculation) -> dict[str, Any]:
+    """The draft's part of the compile-cache key: its keywords and architecture, not its folder."""
+    shown = spec.describe()
+    shown.pop("draft_model_path")
+    return {**shown, "draft_architecture": architecture_config(spec.draft_config)}
 
 
 def nxdi_context_buckets(n_positions: int, estimate: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -374,6 +389,13 @@ def plan_nxdi(
     window, window_ignored = sliding_window(
         application.windows, model_config, int(kwargs["seq_len"]), on_cpu, where
     )
+    speculation = plan_speculation(
+        config.batching.speculative_config,
+        kwargs,
+        model_config,
+        lambda draft_type: applications.get(draft_type) == application,
+        window,
+    )
     ignored = _ignored(config, NEURON_CONFIG_FIELDS_0_8 if old else NEURON_CONFIG_FIELDS, version)
     ignored.update(application.check(model_config, version))
     ignored.update(window_ignored)
@@ -401,6 +423,7 @@ def plan_nxdi(
         profile=neuron.nxdi_profile,
         environment=defaults.special_scalar_environment(kwargs),
         warnings=(warning,) if warning else (),
+        speculation=speculation,
     )
 
 
