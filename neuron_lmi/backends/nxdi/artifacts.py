@@ -24,6 +24,7 @@ from typing import Any
 
 from compile_cache import CacheKeyInputs, architecture_config, fingerprint_weights
 from neuron_lmi.backends.host import installed_version
+from neuron_lmi.backends.nxdi.applications import LIBRARY_MODULE
 from neuron_lmi.backends.nxdi.plan import CONFIG_MODULE, HF_ADAPTER_MODULE, LIBRARY, NxdiPlan
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ def new_application(plan: NxdiPlan, quantized_dir: Path | None = None) -> Any:
     kwargs = plan.kwargs()
     if kwargs.get("quantized"):
         kwargs["quantized_checkpoints_path"] = str(quantized_dir or Path(plan.model_path) / "quantized")
+    if plan.lora is not None:  # modules/lora_serving: the adapters compiled in
+        lora_serving = _import(f"{LIBRARY_MODULE}.modules.lora_serving")
+        kwargs["lora_config"] = lora_serving.LoraServingConfig(**plan.lora.kwargs)
     neuron_config = _neuron_config(config_module, plan.application.neuron_config_cls, kwargs)
     inference_cls = getattr(app_module, plan.application.inference_config)
     extra: dict[str, Any] = {}

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +73,7 @@ from neuron_lmi.backends.nxdi.fields import (
     NOT_TAKEN,
     NOT_TAKEN_DEFAULTS,
 )
+from neuron_lmi.backends.nxdi.lora import NxdiLora, plan_lora
 from neuron_lmi.backends.nxdi.model_checks import sliding_window, text_config
 from neuron_lmi.backends.nxdi.speculation import FusedSpeculation, plan_speculation
 from neuron_lmi.backends.nxdi.support import (
@@ -131,6 +133,7 @@ class NxdiPlan:
     environment: dict[str, str] = field(default_factory=dict)  # set before compile or load
     warnings: tuple[str, ...] = ()  # logged at start-up
     speculation: FusedSpeculation | None = None  # the draft fused into the token-generation graph
+    lora: NxdiLora | None = None  # the adapters compiled in (lora_config)
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments exactly as passed: ``torch_dtype`` as the torch dtype object."""
@@ -162,6 +165,7 @@ class NxdiPlan:
             "neuron_config_cls": f"{CONFIG_MODULE}.{self.application.neuron_config_cls}",
             "neuron_config": {k: v for k, v in self.neuron_config.items() if k not in LOCATION_FIELDS},
             **({"speculation": _speculation_key(self.speculation)} if self.speculation else {}),
+            **({"lora": _lora_key(self.lora)} if self.lora else {}),
         }
 
     def describe(self) -> dict[str, Any]:
@@ -192,6 +196,7 @@ class NxdiPlan:
             "token_generation_buckets": list(self.token_buckets),
             "ignored": dict(self.ignored),
             "speculation": self.speculation.describe() if self.speculation is not None else None,
+            "lora_config": dict(self.lora.kwargs) if self.lora is not None else None,
         }
 
 
@@ -200,6 +205,11 @@ def _speculation_key(spec: FusedSpeculation) -> dict[str, Any]:
     shown = spec.describe()
     shown.pop("draft_model_path")
     return {**shown, "draft_architecture": architecture_config(spec.draft_config)}
+
+
+def _lora_key(lora: NxdiLora) -> dict[str, Any]:
+    """The adapters' part of the key: the serving config and the names in order, not the folders."""
+    return {**{k: v for k, v in lora.kwargs.items() if k != "lora_ckpt_paths"}, "names": list(lora.names)}
 
 
 def nxdi_context_buckets(n_positions: int, estimate: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -396,6 +406,7 @@ def plan_nxdi(
         lambda draft_type: applications.get(draft_type) == application,
         window,
     )
+    lora = plan_lora(config.lora, Path(model_path), int(kwargs["max_batch_size"]), base_model_index=not old)
     ignored = _ignored(config, NEURON_CONFIG_FIELDS_0_8 if old else NEURON_CONFIG_FIELDS, version)
     ignored.update(application.check(model_config, version))
     ignored.update(window_ignored)
@@ -424,6 +435,7 @@ def plan_nxdi(
         environment=defaults.special_scalar_environment(kwargs),
         warnings=(warning,) if warning else (),
         speculation=speculation,
+        lora=lora,
     )
 
 
