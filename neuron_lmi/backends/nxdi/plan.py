@@ -75,7 +75,7 @@ from neuron_lmi.backends.nxdi.fields import (
 )
 from neuron_lmi.backends.nxdi.lora import NxdiLora, plan_lora
 from neuron_lmi.backends.nxdi.model_checks import sliding_window, text_config
-from neuron_lmi.backends.nxdi.speculation import FusedSpeculation, plan_speculation
+from neuron_lmi.backends.nxdi.speculation import FusedSpeculation, check_overrides, plan_speculation
 from neuron_lmi.backends.nxdi.support import (
     DEFAULT_VERSION,
     Platform,
@@ -399,6 +399,7 @@ def plan_nxdi(
     window, window_ignored = sliding_window(
         application.windows, model_config, int(kwargs["seq_len"]), on_cpu, where
     )
+    check_overrides(config.neuron.override_neuron_config)
     speculation = plan_speculation(
         config.batching.speculative_config,
         kwargs,

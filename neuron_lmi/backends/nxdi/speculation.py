@@ -55,6 +55,24 @@ NGRAM_REFUSAL = (
 )
 
 
+# NeuronConfig keywords that change what a token-generation call returns: set only by this plan, from
+# option.speculative_config (the runner must know what the graph does).
+SPECULATION_KEYWORDS = frozenset(
+    """speculation_length enable_fused_speculation enable_eagle_speculation is_eagle3 is_eagle_draft
+    is_medusa medusa_speculation_length num_medusa_heads medusa_tree token_tree_config""".split()  # noqa: SIM905
+)
+
+
+def check_overrides(overrides: Mapping[str, Any] | None) -> None:
+    """Refuse speculation set through ``override_neuron_config``, naming the key."""
+    given = sorted(SPECULATION_KEYWORDS & set(overrides or {}))
+    if given:
+        raise ValueError(
+            f"override_neuron_config.{given[0]}: speculation changes what each call returns, so it is "
+            f"set from {KEY} (draft_model, eagle, eagle3), not by override"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class FusedSpeculation:
     """The draft fused into the graph. Invariants: ``speculation_length == drafts + 1 >= 2``;

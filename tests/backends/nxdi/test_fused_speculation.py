@@ -114,6 +114,12 @@ def test_what_is_refused_names_the_key(tmp_path: Path, extra: str, says: str) ->
     assert says in str(err.value)
 
 
+def test_speculation_by_override_is_refused(tmp_path: Path) -> None:
+    """The runner must know what each call returns: speculation comes from the key, not an override."""
+    with pytest.raises(ValueError, match=r"override_neuron_config\.enable_fused_speculation"):
+        plan(tmp_path, LLAMA_3_8B, 'option.override_neuron_config={"enable_fused_speculation": true}\n')
+
+
 @pytest.mark.parametrize(
     ("changes", "says"),
     [({"vocab_size": 32000}, "share the target's tokenizer"), ({"model_type": "qwen2"}, "of that family")],
