@@ -15,10 +15,15 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from neuron_lmi.config.dtypes import canonical_dtype
-from neuron_lmi.config.speculative import SpeculativeConfig, json_value, parse_speculative_config
+from neuron_lmi.config.speculative import (
+    SpeculativeConfig,
+    json_value,
+    lmi_draft_model,
+    parse_speculative_config,
+)
 
 DEFAULT_MODEL = "smollm2"  # the built-in model every command and engine serves when none is named
 
@@ -192,6 +197,20 @@ class BatchingOptions(_Section):
     # vLLM's speculative_config (JSON, vLLM's names): n-gram prompt lookup on the CPU engine
     # (docs/speculative-decoding.md); None decodes one token per step.
     speculative_config: SpeculativeConfig | None = None
+    # LMI NeuronX's draft-model keys, folded into speculative_config (``lmi_draft_model``).
+    speculative_draft_model: str | None = None
+    speculative_length: int | None = Field(default=None, ge=1, le=64)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lmi_draft(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("speculative_draft_model"):
+            if data.get("speculative_config"):
+                raise ValueError(
+                    "option.speculative_draft_model and option.speculative_config both set: use one"
+                )
+            data = {**data, "speculative_config": lmi_draft_model(data)}
+        return data
 
     @field_validator("speculative_config", mode="plain")
     @classmethod

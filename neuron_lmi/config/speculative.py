@@ -72,6 +72,21 @@ class SpeculativeConfig:
         return json.dumps(self.to_json(), separators=(",", ":"))
 
 
+# LMI NeuronX's default option.speculative_length (djl-serving tnx_properties.py).
+LMI_SPECULATIVE_LENGTH = 5
+
+
+def lmi_draft_model(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """LMI's ``option.speculative_draft_model`` / ``option.speculative_length`` as vLLM's fields:
+    ``{"method": "draft_model", "model": ..., "num_speculative_tokens": speculative_length}``."""
+    length = fields.get("speculative_length")
+    return {
+        "method": "draft_model",
+        "model": str(fields["speculative_draft_model"]),
+        "num_speculative_tokens": int(length) if length not in (None, "") else LMI_SPECULATIVE_LENGTH,
+    }
+
+
 def _positive_int(fields: Mapping[str, Any], name: str) -> int | None:
     value = fields.get(name)
     if value is None:

@@ -33,7 +33,14 @@ from neuron_lmi.engine.scheduler import (
     Scheduler,
     WholePrompts,
 )
-from neuron_lmi.engine.speculation import Speculator, check_speculation, verify, verify_tokens
+from neuron_lmi.engine.speculation import (
+    SpecCounters,
+    Speculator,
+    check_fused_speculation,
+    check_speculation,
+    verify,
+    verify_tokens,
+)
 from neuron_lmi.engine.step_clock import ForwardTimer
 from neuron_lmi.engine.types import (
     EngineStats,
@@ -63,6 +70,9 @@ class EngineCore:
     (one mixed batch, or one per kind). With ``speculative`` (``option.speculative_config``),
     decoding rows verify n-gram drafts (``engine.speculation``); a runner that cannot verify
     several tokens per row (``RunnerCapabilities.max_verify_tokens``) is refused here, at start-up.
+    A runner that drafts on the device (``fused_speculation``: NxD Inference's fused speculation)
+    gets no drafts: its DECODE lines come back with several accepted tokens each
+    (``SampledStep.runs``), which are applied as a verified line's are.
 
     ``adapters`` (with a runner whose ``capabilities.lora``): the LoRA adapters it serves. A request
     holds its adapter from ``request_of`` until it finishes; the scheduler gives it a slot when it
@@ -110,7 +120,13 @@ class EngineCore:
         prefix = PrefixIndex(runner.rows) if extend and prefix_reuse else None
         prefill = prefill or WholePrompts(max_prefill_tokens)
         self.speculator: Speculator | None = None
-        if speculative is not None:
+        # The device's drafts (fused speculation): counted here, as the speculator counts its own.
+        self.fused_counters: SpecCounters | None = None
+        if capabilities.fused_speculation:
+            if speculative is not None:
+                check_fused_speculation(speculative, capabilities, type(runner).__name__)
+            self.fused_counters = SpecCounters(capabilities.fused_speculation - 1)
+        elif speculative is not None:
             check_speculation(speculative, capabilities, type(runner).__name__)
             self.speculator = Speculator(speculative, verify_tokens(capabilities), runner.n_positions)
         self.scheduler = Scheduler(
@@ -226,7 +242,7 @@ class EngineCore:
                 return []
             return [e for i in lines for e in self._run(batch.line(i), [requests[i]])]
         try:
-            logits, tokens = self._forward(batch, requests)
+            logits, tokens, runs = self._forward(batch, requests)
             logits, spans = _speculative_lines(batch, logits)
             sampled = requests
             if spans or not all(batch.samples):  # a non-final prompt chunk samples nothing
@@ -235,6 +251,7 @@ class EngineCore:
                 logits = logits[keep] if logits is not None else None
                 tokens = tokens[keep] if tokens is not None else None
             out = self._sample(logits, tokens, sampled) if sampled else None
+            kept = self._device_runs(runs, requests) if runs is not None else {}
             drawn = {i: verify(span, batch.chunks[i][1:], requests[i]) for i, span in spans.items()}
         except Exception as exc:  # one failed batch must not take the engine down
             if batch.kind is not BatchKind.DECODE and len(batch) > 1:
@@ -249,6 +266,9 @@ class EngineCore:
         if out is None:
             return events
         for i, request in enumerate(sampled):
+            if i in kept:  # a DECODE line (every line samples), its tokens the device's run
+                events += self._accept_run(request, batch.starts[i], kept[i])
+                continue
             top = tuple(
                 TopToken(t, "", lp) for t, lp in zip(out.top_ids[i], out.top_logprobs[i], strict=True)
             )
@@ -284,24 +304,52 @@ class EngineCore:
 
     def _forward(
         self, batch: StepBatch, requests: list[Request]
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(logits, the device's tokens): a runner that samples on the device gets each line's
-        sampling inputs (``engine.device_sampling``), greedy for a line the host samples."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[tuple[int, ...], ...] | None]:
+        """(logits, the device's tokens, its accepted runs): a runner that samples on the device
+        gets each line's sampling inputs (``engine.device_sampling``), greedy for a line the host
+        samples; runs only from a fused-speculation runner's DECODE batch."""
         device = self.capabilities.device_sampling
         timer, runner = self.forward_timer, self.runner
         began = timer.forward_s
         if device is None:
-            logits, tokens = timer.timed(lambda: runner.forward(batch), batch.decodes), None
+            logits, tokens, runs = timer.timed(lambda: runner.forward(batch), batch.decodes), None, None
         else:
             lines = [
                 GREEDY_LINE if host_field(r.params, device) is not None else line_sampling(r.params, device)
                 for r in requests
             ]
             step = timer.timed(lambda: runner.forward_sampled(batch, lines), batch.decodes)
-            logits, tokens = step.logits, step.tokens
+            logits, tokens, runs = step.logits, step.tokens, step.runs
         if self.speculator is not None:  # what a draft token costs (the speculator's cost line)
             self.speculator.observe_forward(sum(map(len, batch.chunks)), timer.forward_s - began)
-        return logits, tokens
+        return logits, tokens, runs
+
+    def _device_runs(
+        self, runs: tuple[tuple[int, ...], ...], requests: list[Request]
+    ) -> dict[int, tuple[int, ...]]:
+        """The lines whose tokens are the device's accepted run: those the device sampled (a line
+        the host samples takes one token from the logits of its first position, as without
+        speculation: its row keeps that position only)."""
+        device = self.capabilities.device_sampling
+        if device is None or len(runs) != len(requests):
+            name = type(self.runner).__name__
+            raise RuntimeError(f"{name} returned {len(runs)} runs for {len(requests)} lines")
+        pairs = enumerate(zip(runs, requests, strict=True))
+        return {i: run for i, (run, r) in pairs if host_field(r.params, device) is None}
+
+    def _accept_run(self, request: Request, start: int, run: tuple[int, ...]) -> list[TokenEvent]:
+        """Apply a device-verified line (fused speculation): the row keeps the K/V of its input and
+        the accepted drafts (``start + len(run)`` positions; what the device wrote past them is
+        rewritten by the next step), then each token is accepted in turn, as ``_accept_draft`` does."""
+        if self.fused_counters is not None:
+            self.fused_counters.observe(self.fused_counters.k, len(run) - 1)
+        self.runner.rows.set_length(request.row, start + len(run))  # type: ignore[arg-type]
+        events = []
+        for token in run:
+            events.append(self._accept(request, token, 0.0, ()))
+            if request.status is Status.FINISHED:
+                break
+        return events
 
     def _sample(
         self, logits: torch.Tensor | None, tokens: torch.Tensor | None, requests: list[Request]
@@ -412,6 +460,7 @@ class EngineCore:
 
     def stats(self, alive: bool = True) -> EngineStats:
         occupancy = self.runner.rows.occupancy()
+        counters = self.speculator.counters if self.speculator is not None else self.fused_counters
         return EngineStats(
             rows_total=occupancy.rows_total,
             rows_used=occupancy.rows_used,
@@ -419,7 +468,7 @@ class EngineCore:
             waiting=len(self.scheduler.waiting),
             running=len(self.scheduler.running),
             alive=alive,
-            extra=self.speculator.counters.extra() if self.speculator is not None else {},
+            extra=counters.extra() if counters is not None else {},
         )
 
 

@@ -85,6 +85,25 @@ def check_speculation(config: SpeculativeConfig, capabilities: RunnerCapabilitie
         raise ValueError(f"{KEY}: num_speculative_tokens={need - 1}, but {runner} {reason}")
 
 
+# The methods a device fuses into its token-generation graph (NxD Inference: a draft model, or an
+# EAGLE head over the target's hidden states); the engine then proposes nothing itself.
+FUSED_METHODS = frozenset({"draft_model", "eagle", "eagle3"})
+
+
+def check_fused_speculation(config: SpeculativeConfig, capabilities: RunnerCapabilities, runner: str) -> None:
+    """Refuse at start-up a setting the runner's fused speculation does not run, naming the key."""
+    if config.method not in FUSED_METHODS:
+        raise ValueError(
+            f"{KEY}: method {config.method!r}: {runner} drafts on the device (a draft model or an "
+            f"EAGLE head compiled into its graph); use one of {', '.join(sorted(FUSED_METHODS))}"
+        )
+    if capabilities.fused_speculation != config.num_speculative_tokens + 1:
+        raise ValueError(
+            f"{KEY}: num_speculative_tokens={config.num_speculative_tokens}, but {runner} was built "
+            f"to emit up to {capabilities.fused_speculation} tokens per step"
+        )
+
+
 def verify_tokens(capabilities: RunnerCapabilities) -> int:
     """The longest verify line (``[last token, d1..dk]``) one forward takes: within both the
     positions whose logits it returns (``max_verify_tokens``) and its longest line

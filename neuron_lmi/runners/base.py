@@ -118,10 +118,15 @@ class DeviceSampling:
 @dataclass(frozen=True, slots=True)
 class SampledStep:
     """A ``forward_sampled`` result: ``tokens`` long ``[len(batch)]``, the device's draw for each
-    line; ``logits`` fp32 ``[len(batch), vocab]`` where ``DeviceSampling.logits``, else None."""
+    line; ``logits`` fp32 ``[len(batch), vocab]`` where ``DeviceSampling.logits``, else None.
+
+    ``runs`` (a runner with ``capabilities.fused_speculation``, DECODE batches only): each line's
+    tokens as the device accepted them, ``runs[i][0] == tokens[i]``, 1 to ``fused_speculation``
+    each; the logits are those of each line's first position. None: one token per line."""
 
     tokens: torch.Tensor
     logits: torch.Tensor | None
+    runs: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +179,12 @@ class RunnerCapabilities:
     speculation); ``mixed_verify``, a mixed EXTEND batch may carry such verify lines beside its
     decodes and prompt chunks (its mixed forward returns all-position logits). Without it the
     scheduler puts a step's verify lines in an EXTEND batch of their own.
+
+    ``fused_speculation``: the device drafts and verifies by itself (NxD Inference's fused
+    speculation: a draft model or an EAGLE head compiled into the token-generation graph), so a
+    DECODE line comes back with up to this many accepted tokens (``SampledStep.runs``) and its row
+    holds only the first one's K/V until the engine keeps the rest (``rows.set_length``); 0: one
+    token per line. Such a runner takes no drafts from the engine (``max_verify_tokens`` stays 0).
     """
 
     extend: bool = False
@@ -188,6 +199,7 @@ class RunnerCapabilities:
     lora_rank: int = 0
     max_verify_tokens: int = 0
     mixed_verify: bool = False
+    fused_speculation: int = 0
 
     @property
     def lora(self) -> bool:
@@ -206,6 +218,8 @@ class RunnerCapabilities:
             raise ValueError("max_verify_tokens needs extend: a verification is an EXTEND line")
         if self.mixed_verify and not (self.mixed_steps and self.max_verify_tokens):
             raise ValueError("mixed_verify needs mixed_steps and max_verify_tokens")
+        if self.fused_speculation and (self.device_sampling is None or self.max_verify_tokens):
+            raise ValueError("fused_speculation needs device_sampling, and no max_verify_tokens")
 
 
 class ModelRunner(Protocol):

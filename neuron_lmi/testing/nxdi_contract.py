@@ -32,7 +32,19 @@ here against the contract it drives on a device:
   its top_k (the rest set to -3000), divided by its temperature, cut to its top_p (the first token
   always kept), by inverse CDF (``deterministic``: at 0.5); otherwise the argmax. ``logits`` is then
   None unless ``output_logits`` (``modules/generation/sampling.py``, ``model_base.py``
-  ``_sample_on_device``/``_get_constructed_outputs``).
+  ``_sample_on_device``/``_get_constructed_outputs``);
+* with fused speculation (``speculation``: a draft model and ``speculation_length`` L, which needs
+  on-device sampling), as ``NeuronFusedSpecModel`` (``model_base.py``) reads: a context call encodes
+  the prompt into the target's cache and the draft's; a token call runs the draft greedily L times
+  (line i's token at its position, then each draft at the next, L K/V writes into the draft's row), the
+  target once over the input and the first L - 1 drafts (L writes), samples the target's token at each
+  of the L positions with the line's ``sampling_params``, and accepts the target's tokens up to and
+  including the first whose draft differs (``_tkg_postprocessor``: 1 to L per line, then -1); the
+  call's bucket must fit the mask's width + L (``_get_seq_bucket``). It returns ``fused_outputs`` as a
+  device does, ``[accepted [n, L], next_input_ids, next_attention_mask, next_position_ids]`` (+ draft
+  and target logits ``[n, L, vocab]`` with ``output_logits``); a context call's ``accepted`` is its
+  token then -1 (``_cte_postprocessor``). Read from the source only: NxD Inference's CPU mode refuses
+  speculation, so this part is not checked against the library (``docs/verification.md``).
 
 Every one of these was checked against the library's own code on the CPU, call by call
 (``tests/backends/nxdi_library/test_contract_agreement.py``), for every family the backend maps: Llama,
@@ -64,6 +76,15 @@ class CausalLMOutput:
 
     logits: torch.Tensor | None
     tokens: torch.Tensor | None = None
+    fused_outputs: list[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ContractSpeculation:
+    """A draft fused into the graph: ``draft`` (same vocabulary) and ``speculation_length`` L >= 2."""
+
+    draft: LlamaForCausalLM
+    speculation_length: int
 
 
 IGNORED_LOGIT = -3000.0  # what the library's sampler puts past a row's top_k and top_p
@@ -118,6 +139,7 @@ class NxdiContractModel:
         on_device_sampling: dict[str, Any] | None = None,
         output_logits: bool = False,
         seed: int = 0,
+        speculation: ContractSpeculation | None = None,
     ) -> None:
         if seq_len > model.n_positions:
             raise ValueError(f"seq_len={seq_len} exceeds the model's rotary table ({model.n_positions})")
@@ -140,6 +162,16 @@ class NxdiContractModel:
         self.output_logits = output_logits
         self.generator = torch.Generator().manual_seed(seed)  # the device's own draws
         self.sampling_params: list[torch.Tensor] = []  # each call's, as validated
+        self.speculation = speculation
+        self.draft_cache = None
+        if speculation is not None:
+            if on_device_sampling is None:
+                raise ValueError("fused speculation needs on_device_sampling_config (the library asserts it)")
+            if self.ring is not None or speculation.draft.args.vocab_size != model.args.vocab_size:
+                raise ValueError("fused speculation is modelled without a window, over one vocabulary")
+            self.draft_cache = speculation.draft.make_cache(batch_size, seq_len)
+            for _ in range(batch_size):
+                self.draft_cache.rows.allocate()
 
     def __call__(
         self,
@@ -166,10 +198,15 @@ class NxdiContractModel:
         params = self._sampling_params(sampling_params, n)
         if int(position_ids.min()) == 0:
             self.calls.append(("context", tuple(input_ids.shape)))
-            return self._output(self._context(input_ids, attention_mask, position_ids, seq), params)
+            logits = self._context(input_ids, attention_mask, position_ids, seq)
+            if self.speculation is not None:
+                return self._fused_context(logits, input_ids, attention_mask, position_ids, seq, params)
+            return self._output(logits, params)
         if input_ids.shape[1] != 1:
             raise ValueError("several tokens at positions > 0 is speculation/chunked prefill: not modelled")
         self.calls.append(("token", tuple(input_ids.shape)))
+        if self.speculation is not None:
+            return self._fused_token(input_ids, attention_mask, position_ids, seq, params)  # type: ignore[arg-type]
         return self._output(self._token(input_ids, attention_mask, position_ids, seq), params)
 
     def _sampling_params(self, params: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -201,9 +238,17 @@ class NxdiContractModel:
         return CausalLMOutput(logits if self.output_logits else None, tokens.to(torch.int32))
 
     def _context(
-        self, input_ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, seq: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor,
+        seq: torch.Tensor,
+        draft: bool = False,
     ) -> torch.Tensor:
         n, t = input_ids.shape
+        model, cache = self.model, self.cache
+        if draft and self.speculation is not None:
+            model, cache = self.speculation.draft, self.draft_cache
         out = torch.empty(n, 1, self.model.args.vocab_size)
         for j in range(n):  # ctx_batch_size=1: one prompt at a time
             length = int(mask[j].sum()) if mask is not None else t
@@ -217,14 +262,14 @@ class NxdiContractModel:
             last = int(torch.max(padded, dim=0).indices)  # first index on ties, as torch.max on the CPU
             tokens = torch.full((1, bucket), self.pad_token_id, dtype=torch.long)
             tokens[0, :t] = input_ids[j]
-            logits, keys, values = self.model.prefill_at(tokens, padded, last)
+            logits, keys, values = model.prefill_at(tokens, padded, last)
             keys, values = keys[:, 0], values[:, 0]
             if self.ring is not None:  # the ring unrolled: the W-1 indices ending at the last position
                 end = max(int(padded.max()) + 1, self.ring)
                 start = end - self.ring
                 index = start + (torch.arange(self.seq_len) - start) % self.ring
                 keys, values = keys[:, :, index], values[:, :, index]
-            self.cache.insert(int(seq[j]), keys, values)  # the whole bucket, padding included
+            cache.insert(int(seq[j]), keys, values)  # the whole bucket, padding included
             out[j, 0] = logits[0].float()
         return out
 
@@ -264,3 +309,85 @@ class NxdiContractModel:
                     cache[:, line, :, same_slot] = cache[:, line, :, p : p + 1]
         # A partial batch's outputs are gathered back by seq_id; a full batch's come back line by line.
         return (logits.float() if n == self.batch_size else logits.float()[seq])[:, None, :]
+
+    # -- fused speculation (NeuronFusedSpecModel, read from the source) --------------------------------
+    def _draw(self, logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        """The target sampler's tokens for ``logits`` [n, vocab] and each line's ``params`` [n, 3]."""
+        config = self.on_device_sampling or {}
+        if not (config.get("dynamic") or config.get("do_sample")):
+            return logits.argmax(dim=-1)
+        n = logits.shape[0]
+        rand = torch.rand(n, generator=self.generator)
+        if config.get("deterministic"):
+            rand = torch.full((n,), 0.5)
+        return draw(logits, params, int(config.get("global_topk", 256)), rand)
+
+    def _fused_context(
+        self,
+        logits: torch.Tensor,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor,
+        seq: torch.Tensor,
+        params: torch.Tensor | None,
+    ) -> CausalLMOutput:
+        """Both models encode the prompt; ``[target token, -1, ...]`` per line (_cte_postprocessor)."""
+        draft_logits = self._context(input_ids, mask, positions, seq, draft=True)
+        length = self.speculation.speculation_length  # type: ignore[union-attr]
+        n = input_ids.shape[0]
+        token = self._draw(logits[:, -1, :], params)  # type: ignore[arg-type]
+        accepted = torch.full((n, length), -1, dtype=torch.int32)
+        accepted[:, 0] = token.to(torch.int32)
+        cur = (mask.sum(dim=1) if mask is not None else torch.full((n,), input_ids.shape[1])).to(torch.int32)
+        outputs = [accepted, accepted[:, :1], self._next_mask(cur), cur[:, None]]
+        if self.output_logits:
+            outputs += [draft_logits, logits]
+        return CausalLMOutput(None, None, outputs)
+
+    def _next_mask(self, next_positions: torch.Tensor) -> torch.Tensor:
+        return (torch.arange(self.seq_len)[None, :] < next_positions.long().reshape(-1, 1)).to(torch.int32)
+
+    def _fused_token(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor,
+        seq: torch.Tensor,
+        params: torch.Tensor,
+    ) -> CausalLMOutput:
+        spec = self.speculation
+        length = spec.speculation_length  # type: ignore[union-attr]
+        n = input_ids.shape[0]
+        width = mask.shape[1] if mask is not None else int(positions.max())
+        if width + length > self.token_buckets[-1]:  # _get_seq_bucket: mask width + speculation_length
+            raise ValueError(f"Input len {width} exceeds largest bucket ({self.token_buckets[-1]})")
+        ids, pos, lines = input_ids[:, 0].long(), positions[:, 0].long(), params
+        if n < self.batch_size:  # _forward_with_pad: complete with the first line, sort by seq_id
+            missing = [r for r in range(self.batch_size) if r not in set(seq.tolist())]
+            _, order = torch.sort(torch.tensor(seq.tolist() + missing))
+            first = torch.tensor(list(range(n)) + [0] * len(missing))[order]
+            ids, pos, lines = ids[first], pos[first], lines[first]
+        rows = torch.arange(self.batch_size)
+        attn_len = self.token_buckets[bisect.bisect_left(self.token_buckets, int(pos.max()) + length)]
+        candidates, draft_logits = [ids], []
+        draft, cache = spec.draft, self.draft_cache  # type: ignore[union-attr]
+        for i in range(length):  # the draft, greedy: L decodes, each writing its input at pos + i
+            logits = draft.decode(candidates[-1], rows, pos + i, cache.k, cache.v, attn_len)  # type: ignore[union-attr]
+            draft_logits.append(logits.float())
+            candidates.append(logits.argmax(dim=-1))
+        tokens = torch.stack(candidates[:length], dim=1)  # the input and the first L - 1 drafts
+        target = self.model.extend(
+            tokens, rows, pos, [length] * self.batch_size, self.cache.k, self.cache.v, attn_len,
+            last=[length] * self.batch_size,
+        ).float().view(self.batch_size, length, -1)  # fmt: skip
+        chosen = self._draw(target.reshape(-1, target.shape[-1]), lines.repeat_interleave(length, 0))
+        chosen = chosen.view(self.batch_size, length)
+        matches = ((tokens[:, 1:] != chosen[:, :-1]).cumsum(dim=-1) < 1).sum(dim=-1, keepdim=True) + 1
+        accepted = torch.where(torch.arange(length)[None, :] < matches, chosen, -1).to(torch.int32)
+        next_ids = accepted.gather(1, matches - 1)
+        outputs = [accepted, next_ids, self._next_mask(pos + matches[:, 0]), (pos[:, None] + matches)]
+        if self.output_logits:
+            outputs += [torch.stack(draft_logits, dim=1), target]
+        if n < self.batch_size:  # a partial batch's outputs gathered back by seq_id
+            outputs = [o[seq] for o in outputs]
+        return CausalLMOutput(None, None, [o.to(torch.int32) if i < 4 else o for i, o in enumerate(outputs)])

@@ -24,6 +24,7 @@ from typing import Any
 
 from compile_cache import CacheKeyInputs, architecture_config, fingerprint_weights
 from neuron_lmi.backends.host import installed_version
+from neuron_lmi.backends.nxdi.applications import LIBRARY_MODULE
 from neuron_lmi.backends.nxdi.plan import CONFIG_MODULE, HF_ADAPTER_MODULE, LIBRARY, NxdiPlan
 
 log = logging.getLogger(__name__)
@@ -81,18 +82,45 @@ def _import(module: str) -> Any:
 
 def new_application(plan: NxdiPlan, quantized_dir: Path | None = None) -> Any:
     """Build the application object (no compile, no load). ``quantized_dir`` replaces the placeholder
-    ``quantized_checkpoints_path`` when the plan quantizes."""
+    ``quantized_checkpoints_path`` when the plan quantizes. With ``plan.speculation`` the inference
+    config carries the draft (``FusedSpecNeuronConfig``, as the library's ``inference_demo.py`` builds
+    it; ``backends.nxdi.speculation``)."""
     config_module = _import(CONFIG_MODULE)
     app_module = _import(plan.application.module)
-    load_pretrained_config = _import(HF_ADAPTER_MODULE).load_pretrained_config
     kwargs = plan.kwargs()
     if kwargs.get("quantized"):
         kwargs["quantized_checkpoints_path"] = str(quantized_dir or Path(plan.model_path) / "quantized")
+    if plan.lora is not None:  # modules/lora_serving: the adapters compiled in
+        lora_serving = _import(f"{LIBRARY_MODULE}.modules.lora_serving")
+        kwargs["lora_config"] = lora_serving.LoraServingConfig(**plan.lora.kwargs)
+    neuron_config = _neuron_config(config_module, plan.application.neuron_config_cls, kwargs)
+    inference_cls = getattr(app_module, plan.application.inference_config)
+    extra: dict[str, Any] = {}
+    spec = plan.speculation
+    if spec is not None:
+        draft_kwargs = dict(spec.draft_kwargs)
+        draft_kwargs["torch_dtype"] = kwargs["torch_dtype"]
+        draft = _neuron_config(config_module, plan.application.neuron_config_cls, draft_kwargs)
+        for name, value in spec.draft_after.items():  # what the constructor would not leave as given
+            setattr(draft, name, value)
+        draft_config = inference_cls(draft, load_config=_config_loader(spec.draft_path))
+        application = getattr(app_module, plan.application.application)
+        extra["fused_spec_config"] = config_module.FusedSpecNeuronConfig(
+            application._model_cls, draft_config=draft_config, draft_model_path=spec.draft_path
+        )
+    inference_config = inference_cls(neuron_config, load_config=_config_loader(plan.model_path), **extra)
+    return getattr(app_module, plan.application.application)(plan.model_path, inference_config)
+
+
+def _neuron_config(config_module: Any, cls_name: str, kwargs: dict[str, Any]) -> Any:
     sampling = kwargs.get("on_device_sampling_config")
     if isinstance(sampling, dict):
-        kwargs["on_device_sampling_config"] = config_module.OnDeviceSamplingConfig(**sampling)
-    neuron_config = getattr(config_module, plan.application.neuron_config_cls)(**kwargs)
-    load_hf_config = load_pretrained_config(plan.model_path)
+        kwargs = {**kwargs, "on_device_sampling_config": config_module.OnDeviceSamplingConfig(**sampling)}
+    return getattr(config_module, cls_name)(**kwargs)
+
+
+def _config_loader(model_path: str) -> Any:
+    load_hf_config = _import(HF_ADAPTER_MODULE).load_pretrained_config(model_path)
 
     def load_config(config: Any) -> None:
         load_hf_config(config)
@@ -102,7 +130,4 @@ def new_application(plan: NxdiPlan, quantized_dir: Path | None = None) -> Any:
         if getattr(config, "head_dim", None) is None and hasattr(config, "hidden_size"):
             config.head_dim = config.hidden_size // config.num_attention_heads
 
-    inference_config = getattr(app_module, plan.application.inference_config)(
-        neuron_config, load_config=load_config
-    )
-    return getattr(app_module, plan.application.application)(plan.model_path, inference_config)
+    return load_config

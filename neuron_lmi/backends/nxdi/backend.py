@@ -120,6 +120,13 @@ class NxdiBackend:
         mapped = plan_nxdi(
             resolved.config, model_config, str(model_path), request.tp_degree, version, platform, source
         )
+        if mapped.lora is not None and options.purpose == "serve":
+            raise ValueError(
+                "option.enable_lora: NxD Inference's LoRA serving is mapped (lora_config, shown by "
+                "neuron-lmi compile --dry-run) but NxdiRunner does not yet pass each row's adapter "
+                "(adapter_ids), and the library's CPU mode cannot run it (docs/lora.md); serve LoRA on "
+                "the CPU engine or vLLM"
+            )
         inputs = nxdi_key_inputs(mapped, model_config, options.compiler_version, version)
         given = neuron.compiled_graph_path
         given_dir = Path(given) if given and is_artifact_dir(Path(given)) else None

@@ -42,15 +42,20 @@ keywords as Llama. Checked against the library itself on the CPU (``tests/backen
     override on_cpu=true          NxD Inference's modeling code on the CPU (``to_cpu``): one rank, one
                                   bucket (n_positions), no fp16, no compile-cache entry; refused for
                                   an application the CPU mode cannot run (Qwen3-MoE)
+    speculative_config            draft_model / eagle / eagle3: fused speculation, speculation_length
+                                  = num_speculative_tokens + 1 and the draft's own NeuronConfig
+                                  (``speculation``); ngram refused
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from compile_cache import architecture_config
 from compile_cache.key import token_generation_buckets
 from neuron_lmi.backends.nxdi import defaults
 from neuron_lmi.backends.nxdi.applications import (
@@ -68,7 +73,9 @@ from neuron_lmi.backends.nxdi.fields import (
     NOT_TAKEN,
     NOT_TAKEN_DEFAULTS,
 )
+from neuron_lmi.backends.nxdi.lora import NxdiLora, plan_lora
 from neuron_lmi.backends.nxdi.model_checks import sliding_window, text_config
+from neuron_lmi.backends.nxdi.speculation import FusedSpeculation, check_overrides, plan_speculation
 from neuron_lmi.backends.nxdi.support import (
     DEFAULT_VERSION,
     Platform,
@@ -125,6 +132,8 @@ class NxdiPlan:
     profile: str | None = None
     environment: dict[str, str] = field(default_factory=dict)  # set before compile or load
     warnings: tuple[str, ...] = ()  # logged at start-up
+    speculation: FusedSpeculation | None = None  # the draft fused into the token-generation graph
+    lora: NxdiLora | None = None  # the adapters compiled in (lora_config)
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments exactly as passed: ``torch_dtype`` as the torch dtype object."""
@@ -155,6 +164,8 @@ class NxdiPlan:
             "inference_config": self.application.path(self.application.inference_config),
             "neuron_config_cls": f"{CONFIG_MODULE}.{self.application.neuron_config_cls}",
             "neuron_config": {k: v for k, v in self.neuron_config.items() if k not in LOCATION_FIELDS},
+            **({"speculation": _speculation_key(self.speculation)} if self.speculation else {}),
+            **({"lora": _lora_key(self.lora)} if self.lora else {}),
         }
 
     def describe(self) -> dict[str, Any]:
@@ -184,7 +195,21 @@ class NxdiPlan:
             "context_encoding_buckets": list(self.context_buckets),
             "token_generation_buckets": list(self.token_buckets),
             "ignored": dict(self.ignored),
+            "speculation": self.speculation.describe() if self.speculation is not None else None,
+            "lora_config": dict(self.lora.kwargs) if self.lora is not None else None,
         }
+
+
+def _speculation_key(spec: FusedSpeculation) -> dict[str, Any]:
+    """The draft's part of the compile-cache key: its keywords and architecture, not its folder."""
+    shown = spec.describe()
+    shown.pop("draft_model_path")
+    return {**shown, "draft_architecture": architecture_config(spec.draft_config)}
+
+
+def _lora_key(lora: NxdiLora) -> dict[str, Any]:
+    """The adapters' part of the key: the serving config and the names in order, not the folders."""
+    return {**{k: v for k, v in lora.kwargs.items() if k != "lora_ckpt_paths"}, "names": list(lora.names)}
 
 
 def nxdi_context_buckets(n_positions: int, estimate: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -374,6 +399,15 @@ def plan_nxdi(
     window, window_ignored = sliding_window(
         application.windows, model_config, int(kwargs["seq_len"]), on_cpu, where
     )
+    check_overrides(config.neuron.override_neuron_config)
+    speculation = plan_speculation(
+        config.batching.speculative_config,
+        kwargs,
+        model_config,
+        lambda draft_type: applications.get(draft_type) == application,
+        window,
+    )
+    lora = plan_lora(config.lora, Path(model_path), int(kwargs["max_batch_size"]), base_model_index=not old)
     ignored = _ignored(config, NEURON_CONFIG_FIELDS_0_8 if old else NEURON_CONFIG_FIELDS, version)
     ignored.update(application.check(model_config, version))
     ignored.update(window_ignored)
@@ -401,6 +435,8 @@ def plan_nxdi(
         profile=neuron.nxdi_profile,
         environment=defaults.special_scalar_environment(kwargs),
         warnings=(warning,) if warning else (),
+        speculation=speculation,
+        lora=lora,
     )
 
 

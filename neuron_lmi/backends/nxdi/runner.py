@@ -34,6 +34,18 @@ Consequences handled here:
   K/V while the ring has not wrapped. A row of length 0 never rides: position 0 would turn the call
   into a context encoding. There is no free on the device: ``RowTable`` frees a row and its next
   context encoding overwrites it.
+
+Fused speculation (``speculation_length`` L > 1: a draft model or an EAGLE head compiled into the
+token-generation graph, ``NeuronFusedSpecModel``; read from the source, ``docs/verification.md``): the
+same calls, but ``out.fused_outputs`` replaces ``tokens``/``logits``: on a device a list
+``[accepted, next_input_ids, next_attention_mask, next_position_ids]`` (then draft and target logits
+``[n, L, vocab]`` with ``output_logits``), in its CPU path the ``accepted`` tensor alone; ``accepted``
+is int32 ``[n, L]``, each row's accepted tokens then -1 (a context call: its one token then -1). Each
+line writes the K/V of its input and L - 1 drafts at ``position .. position + L - 1``, so a row's last
+usable position is L - 1 before the sequence ends (``n_positions`` is ``seq_len - L + 1``; the row
+table keeps ``seq_len``), and a rider, writing past its row's end, stays harmless. Each DECODE line
+comes back as its run (``SampledStep.runs``); its row holds the first position only, and the engine
+keeps the accepted rest (``EngineCore._accept_run``).
 """
 
 from __future__ import annotations
@@ -69,6 +81,8 @@ log = logging.getLogger(__name__)
 # The library pads context position_ids with 1: a prompt whose last position is below 2 must bring
 # its own padding (at position 0) so that argmax(position_ids) is its last token.
 SELF_PADDED_BELOW = 3
+# What NeuronFusedSpecModel puts after a row's accepted tokens (its acceptance_padding_token).
+ACCEPTANCE_PADDING = -1
 
 
 class CausalLMApplication(Protocol):
@@ -109,14 +123,18 @@ class NxdiRunner(ForwardByKind):
         largest_context_bucket: int | None = None,
         sliding_window: int | None = None,
         dtype: str | None = None,
+        speculation_length: int = 0,
     ) -> None:
         self.model = model
         self.rows = RowTable(n_rows, n_positions)
-        self.n_positions = n_positions
+        self.speculation_length = speculation_length
+        self.n_positions = n_positions - max(speculation_length - 1, 0)
         self.vocab_size = vocab_size
         self.device_sampling = device_sampling
         if device_sampling is not None:
             self.capabilities = dataclasses.replace(self.capabilities, device_sampling=device_sampling)
+        if speculation_length > 1:  # refused in RunnerCapabilities without device sampling
+            self.capabilities = dataclasses.replace(self.capabilities, fused_speculation=speculation_length)
         self.largest_context_bucket = largest_context_bucket or n_positions
         self.sliding_window = sliding_window
         self.dtype = dtype  # what the application computes in (reported as the model's dtype)
@@ -189,9 +207,13 @@ class NxdiRunner(ForwardByKind):
         attention_mask = (torch.arange(int(position_ids.max()))[None, :] < position_ids).long()
         out = self._call(ids[:, None], attention_mask, position_ids, seq_ids, laid_out)
         self._last_token.update(zip(rows, tokens, strict=True))
-        step = self._outputs(out, seq_ids)
+        step = self._outputs(out, seq_ids, context=False)
         logits = batch.restore(step.logits[kept]) if step.logits is not None else None
-        return SampledStep(batch.restore(step.tokens[kept][:, None])[:, 0], logits)
+        runs = None
+        if step.runs is not None:  # back in the order asked, as restore does for tensors
+            line = batch.restore(torch.tensor(kept)[:, None])[:, 0].tolist()
+            runs = tuple(step.runs[i] for i in line)
+        return SampledStep(batch.restore(step.tokens[kept][:, None])[:, 0], logits, runs)
 
     def _completed(
         self, ids: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor, lines: list[LineSampling]
@@ -227,11 +249,13 @@ class NxdiRunner(ForwardByKind):
                 input_ids=ids, attention_mask=mask, position_ids=positions, seq_ids=seq_ids, **extra
             )
 
-    def _outputs(self, out: Any, seq_ids: torch.Tensor) -> SampledStep:
+    def _outputs(self, out: Any, seq_ids: torch.Tensor, context: bool = True) -> SampledStep:
         """(tokens, logits) of one call of ``n = len(seq_ids)`` lines. Without on-device sampling the
         tokens are the logits' argmax; with it, ``out.tokens`` (int32 ``[n]``) and ``out.logits`` only
-        with ``output_logits``."""
+        with ``output_logits``; with fused speculation, ``_fused``."""
         n = len(seq_ids)
+        if self.speculation_length > 1:
+            return self._fused(out, n, context)
         logits = getattr(out, "logits", out)
         if logits is not None:
             if logits.dim() == 3:
@@ -249,6 +273,26 @@ class NxdiRunner(ForwardByKind):
         if tokens is None:
             raise RuntimeError("model returned no tokens (on-device sampling)")
         return SampledStep(torch.as_tensor(tokens).reshape(-1)[:n].long(), logits)
+
+    def _fused(self, out: Any, n: int, context: bool) -> SampledStep:
+        """A fused-speculation call's tokens, runs and (with ``output_logits``) the target's logits at
+        each line's first position (a context call's last); see the module docstring."""
+        fused = getattr(out, "fused_outputs", None)
+        if fused is None:
+            raise RuntimeError("model returned no fused_outputs (fused speculation)")
+        parts = list(fused) if isinstance(fused, list | tuple) else [fused]
+        accepted = torch.as_tensor(parts[0]).reshape(n, -1).long()
+        counts = (accepted != ACCEPTANCE_PADDING).long().cumprod(dim=1).sum(dim=1)
+        if bool((counts < 1).any()):
+            raise RuntimeError(f"fused speculation accepted no token on a line: {accepted.tolist()}")
+        runs = tuple(tuple(row[:c]) for row, c in zip(accepted.tolist(), counts.tolist(), strict=True))
+        logits = None
+        if self.device_sampling is not None and self.device_sampling.logits:
+            if len(parts) < 6:
+                raise RuntimeError("model returned no target logits in fused_outputs (output_logits)")
+            target = torch.as_tensor(parts[-1])
+            logits = target[:, -1 if context else 0, : self.vocab_size].float()
+        return SampledStep(accepted[:, 0], logits, None if context else runs)
 
     def _as_logits(self, step: SampledStep) -> torch.Tensor:
         """``forward``'s logits: the device's token as a one-hot row where no logits came back."""
@@ -273,6 +317,7 @@ def runner_for(model: CausalLMApplication, plan: NxdiPlan, vocab_size: int) -> N
         largest_context_bucket=plan.context_buckets[-1],
         sliding_window=plan.sliding_window,
         dtype=plan.dtype,
+        speculation_length=plan.speculation.speculation_length if plan.speculation else 0,
     )
 
 
