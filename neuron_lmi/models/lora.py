@@ -12,8 +12,8 @@ fused output, in its own rank columns (block-diagonal), with the PEFT scale fold
 so ``y = x W^T + (x A^T) B^T`` is the merged weight's output ``x (W + s B A)^T`` for every module
 at once. ``s`` is PEFT's ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``).
 
-``LoraSlots`` holds ``n_slots`` adapters per projection as ``A [layers, slots, R, in]``, ``B [layers,
-slots, out, R]``, zero-padded to the projection's rank room ``R`` (``max_lora_rank`` times its module
+``LoraSlots`` holds ``n_slots`` adapters per projection as ``A [layers, slots, R, in]``, ``B^T
+[layers, slots, R, out]``, zero-padded to the projection's rank room ``R`` (``max_lora_rank`` times its module
 count), so a slot is overwritten in place when another adapter moves in. A forward with adapted
 lines gets a ``LoraBatch``: which lines use which slot; each adapted projection then adds, for each
 slot in the batch, one ``(x[lines] A^T) B^T`` over that slot's lines (``add_lora``, through the op
@@ -243,7 +243,7 @@ def _fuse(
 
 class LoraSlots:
     """``n_slots`` adapters resident beside the model: per adaptable projection, every layer's slots
-    stacked, ``A [layers, n_slots, R, in]`` and ``B [layers, n_slots, out, R]``, ``R = max_rank x``
+    stacked, ``A [layers, n_slots, R, in]`` and ``B^T [layers, n_slots, R, out]``, ``R = max_rank x``
     the projection's module count (``stacked``: what the compiled step graph takes as inputs).
 
     Invariant: a slot holds one adapter's weights zero-padded to ``R``, or zeros (free); writing a
@@ -265,7 +265,7 @@ class LoraSlots:
             room = max_rank * len(outs)
             self.stacked[projection] = (
                 torch.zeros(args.n_layers, n_slots, room, d_in, dtype=dtype),
-                torch.zeros(args.n_layers, n_slots, sum(outs), room, dtype=dtype),
+                torch.zeros(args.n_layers, n_slots, room, sum(outs), dtype=dtype),
             )
 
     def write(self, slot: int, adapter: LoraAdapter | None) -> None:
@@ -281,7 +281,7 @@ class LoraSlots:
                 if projection in given:
                     a, b = given[projection]
                     a_slots[i, slot, : a.shape[0]] = a
-                    b_slots[i, slot, :, : b.shape[1]] = b
+                    b_slots[i, slot, : b.shape[1]] = b.T
 
     def line_slots(self, slots: Sequence[int | None]) -> torch.Tensor | None:
         """``slots`` as the op's int64 line index (-1: no adapter), or None where no line is adapted

@@ -2,9 +2,10 @@
 batch whose lines use different adapters (``models.lora``).
 
 ``y`` ``[lines, ..., out]`` is the base projection of ``x`` ``[lines, ..., in]``; ``slots`` int64
-``[lines]`` names each line's adapter slot (-1: the base model alone); ``a`` ``[slots, R, in]`` and
-``b`` ``[slots, out, R]`` hold every slot's adapter, zero-padded to the rank room ``R``. The result is
-``y`` with ``(x[l] a[s]^T) b[s]^T`` added to every line ``l`` of slot ``s``: one matmul pair per slot
+``[lines]`` names each line's adapter slot (-1: the base model alone); ``a`` ``[slots, R, in]`` (A)
+and ``b`` ``[slots, R, out]`` (B transposed, so the kernel's second product runs along the output)
+hold every slot's adapter, zero-padded to the rank room ``R``. The result is ``y`` with
+``(x[l] a[s]^T) b[s]`` added to every line ``l`` of slot ``s``: one matmul pair per slot
 present, over that slot's lines together (a run of consecutive lines is read in place), nothing
 for a line of the base model.
 
@@ -38,7 +39,7 @@ def reference(
         if slot < 0:
             continue
         lines = torch.nonzero(slots == slot).flatten()
-        delta = (x.index_select(0, lines) @ a[slot].T) @ b[slot].T
+        delta = (x.index_select(0, lines) @ a[slot].T) @ b[slot]
         out.index_add_(0, lines, delta.to(out.dtype))
     return out
 

@@ -18,14 +18,14 @@ def test_native_kernel_equals_the_update_line_by_line(slots: list[int], dtype: t
     x = torch.randn(lines, per_line, d_in, generator=gen).to(dtype)
     y = torch.randn(lines, per_line, d_out, generator=gen).to(dtype)
     a = torch.randn(n_slots, rank, d_in, generator=gen).to(dtype)
-    b = torch.randn(n_slots, d_out, rank, generator=gen).to(dtype)
+    b = torch.randn(n_slots, rank, d_out, generator=gen).to(dtype)
     index = torch.tensor(slots, dtype=torch.long)
     got = torch.ops.neuron_lmi.lora_delta(y, x, index, a, b)
     python = lora_delta.reference(y, x, index, a, b)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
     torch.testing.assert_close(got, python, **tol)
     for line, slot in enumerate(slots):
-        want = y[line] if slot < 0 else y[line] + ((x[line] @ a[slot].T) @ b[slot].T).to(dtype)
+        want = y[line] if slot < 0 else y[line] + ((x[line] @ a[slot].T) @ b[slot]).to(dtype)
         torch.testing.assert_close(got[line], want, **tol)
     assert got.data_ptr() != y.data_ptr()  # a new tensor: y is an input the caller keeps
 
@@ -33,6 +33,6 @@ def test_native_kernel_equals_the_update_line_by_line(slots: list[int], dtype: t
 def test_a_slot_past_the_stack_is_refused() -> None:
     ops.kernels()
     x, y = torch.zeros(2, 1, 4), torch.zeros(2, 1, 5)
-    a, b = torch.zeros(2, 3, 4), torch.zeros(2, 5, 3)
+    a, b = torch.zeros(2, 3, 4), torch.zeros(2, 3, 5)
     with pytest.raises(RuntimeError, match="names slot 2 of 2"):
         torch.ops.neuron_lmi.lora_delta(y, x, torch.tensor([0, 2]), a, b)

@@ -114,7 +114,7 @@ class StepLora:
             d_in, outs = shapes[projection]
             room = self.max_rank * len(outs)
             out.append(torch.zeros(layers, self.slots, room, d_in, dtype=model.dtype))
-            out.append(torch.zeros(layers, self.slots, sum(outs), room, dtype=model.dtype))
+            out.append(torch.zeros(layers, self.slots, room, sum(outs), dtype=model.dtype))
         return out
 
 

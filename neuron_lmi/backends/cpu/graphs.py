@@ -261,7 +261,7 @@ class LoraStepGraph(_Graph):
 
     Inputs: ``StepGraph``'s, then ``token_slots`` int64 ``[n]`` (each token's slot, -1: the base
     model) and ``weights`` (``LoraSlots.inputs``: per projection in sorted order, ``A [layers, slots,
-    R, in]`` then ``B [layers, slots, out, R]``).
+    R, in]`` then ``B^T [layers, slots, R, out]``).
     """
 
     def __init__(self, model: LlamaForCausalLM, projections: Sequence[str]) -> None:
