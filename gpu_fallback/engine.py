@@ -313,7 +313,8 @@ class VllmEngine:
     ) -> AsyncIterator[TokenEvent]:
         # Held here, not in generate(), for the same reason as the row below; an adapter unloaded
         # since admission is refused now (404), before anything reaches vLLM.
-        lora_request = self._adapters.hold(adapter) if adapter is not None and self._adapters is not None else None
+        adapters = self._adapters
+        lora_request = adapters.hold(adapter) if adapter is not None and adapters is not None else None
         # Registered here, not in generate(): a stream that is never iterated never runs its
         # finally, and must not hold a row in the stats.
         live = self._active[rid] = _Live(prompt_tokens=len(ids))
@@ -352,8 +353,8 @@ class VllmEngine:
             await outputs.aclose()
             if not finished and self._alive():
                 await self._llm.abort(rid)
-            if lora_request is not None and self._adapters is not None:
-                await self._adapters.release(lora_request)
+            if lora_request is not None and adapters is not None:
+                await adapters.release(lora_request)
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
