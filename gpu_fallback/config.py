@@ -8,7 +8,10 @@ section (``option.gpu_memory_utilization``, ``option.chat_template``, ``option.s
 ``option.served_model_name``) arrive typed. Every other ``option.<name>`` / ``OPTION_<NAME>`` that
 the loader kept in ``ResolvedConfig.vllm_options`` and that is a field of vLLM's
 ``AsyncEngineArgs`` passes through, as in LMI's vLLM integration, its value checked against that
-field's type (:func:`vllm_engine_options`). Defaults follow LMI on vLLM: 256 rolling-batch rows,
+field's type (:func:`vllm_engine_options`). The typed LoRA settings (``option.enable_lora``,
+``max_loras``, ``max_lora_rank``, ``max_cpu_loras``) and ``option.speculative_config`` map onto
+vLLM's fields of the same names (:func:`typed_engine_args`), checked against vLLM's annotations too
+(its ``max_lora_rank`` takes 1, 8, 16, 32, 64...). Defaults follow LMI on vLLM: 256 rolling-batch rows,
 every visible GPU, the model's own maximum length, the checkpoint's dtype. Only
 :func:`engine_arg_types` imports vLLM.
 """
@@ -31,6 +34,7 @@ from neuron_lmi.config.options import (
 )
 
 if TYPE_CHECKING:
+    from neuron_lmi.backends.lora import LoraSettings
     from neuron_lmi.config.loader import ResolvedConfig
     from neuron_lmi.config.sources import Origin
 
@@ -56,7 +60,9 @@ class VllmEngineConfig:
 
     ``n_positions`` None lets vLLM use the model's own maximum; ``tensor_parallel_degree`` may be
     "max" (every visible GPU, LMI's default). ``max_queue_size`` bounds requests waiting beyond the
-    rolling batch. ``extra_engine_args`` are ``AsyncEngineArgs`` fields, already typed.
+    rolling batch. ``extra_engine_args`` are ``AsyncEngineArgs`` fields, already typed. ``lora``: the
+    LoRA settings and start-up adapters (``backends.lora``), None without ``option.enable_lora``;
+    with it ``extra_engine_args`` holds vLLM's ``enable_lora`` and its kin.
     """
 
     model: str
@@ -72,6 +78,7 @@ class VllmEngineConfig:
     seed: int
     max_queue_size: int
     extra_engine_args: Mapping[str, Any]
+    lora: LoraSettings | None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -92,6 +99,8 @@ class VllmEngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size!r}")
+        if (self.lora is not None) != bool(self.extra_engine_args.get("enable_lora")):
+            raise ValueError("lora settings and vLLM's enable_lora must agree")
 
 
 def engine_args_kwargs(
@@ -164,6 +173,15 @@ OWNED_ENGINE_ARGS = {
     "tensor_parallel_size": "option.tensor_parallel_degree",
     "max_num_seqs": "option.max_rolling_batch_size",
 }
+# vLLM engine argument -> the typed field it is mapped from (typed_engine_args); the keys are
+# claimed by the shared key table, so none of them reaches vllm_options.
+TYPED_ENGINE_ARGS = {
+    "enable_lora": "enable_lora",
+    "max_loras": "max_loras",
+    "max_lora_rank": "max_lora_rank",
+    "max_cpu_loras": "max_cpu_loras",
+    "speculative_config": "speculative_config",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +249,35 @@ def vllm_engine_options(origins: Mapping[str, Origin], fields: Mapping[str, Any]
     return out
 
 
+def typed_engine_args(resolved: ResolvedConfig, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's engine arguments from the typed LoRA settings and speculative config (nothing re-read
+    or re-parsed), each checked against its ``fields`` annotation where vLLM's are known; a value
+    vLLM would refuse raises ``ConfigError`` naming the key as written and its source."""
+    cfg = resolved.config
+    values: dict[str, Any] = {}
+    if cfg.lora.enable_lora:
+        lora = cfg.lora
+        values |= {
+            "enable_lora": True,
+            "max_loras": lora.max_loras,
+            "max_lora_rank": lora.max_lora_rank,
+            "max_cpu_loras": lora.cpu_loras,
+        }
+    spec = cfg.batching.speculative_config
+    if spec is not None:
+        values["speculative_config"] = spec.to_json()
+    for name, value in values.items():
+        if name not in fields:
+            continue
+        try:
+            values[name] = coerce_engine_arg(value, fields[name])
+        except ValueError as exc:
+            field_name = TYPED_ENGINE_ARGS[name]
+            key = resolved.keys.get(field_name, f"option.{field_name}")
+            raise ConfigError(key, value, resolved.source_of(field_name), f"vLLM's {name} {exc}") from None
+    return values
+
+
 def vllm_config_from_resolved(
     resolved: ResolvedConfig,
     model: str,
@@ -238,6 +285,7 @@ def vllm_config_from_resolved(
     tp_degree: int | None = None,
     gpu_defaults: bool = True,
     fields: Mapping[str, Any] | None = None,
+    lora: LoraSettings | None = None,
 ) -> VllmEngineConfig:
     """The engine configuration for ``neuron-lmi serve`` on vLLM, from ``resolved`` alone.
 
@@ -247,9 +295,11 @@ def vllm_config_from_resolved(
     (vllm-neuron: a Neuron compile is sized by them). An unset dtype is the checkpoint's own
     (LMI's fp16 is a Neuron default); ``served_model_name`` names the model unless
     ``option.served_model_name`` does. Engine arguments pass through (:func:`vllm_engine_options`);
-    unknown keys not already reported by the loader are logged once.
+    unknown keys not already reported by the loader are logged once. ``lora``: the resolved LoRA
+    settings (``backends.lora.resolve_lora``), required with ``option.enable_lora``.
     """
     cfg = resolved.config
+    fields = engine_arg_types() if fields is None else fields
 
     def default(name: str) -> bool:
         return resolved.source_of(name).startswith("default")
@@ -258,7 +308,7 @@ def vllm_config_from_resolved(
         return gpu_defaults and default(name)
 
     found = vllm_engine_options(resolved.vllm_options, fields)
-    extra = dict(found.engine_args)
+    extra = dict(found.engine_args) | typed_engine_args(resolved, fields)
     if cfg.batching.max_prefill_tokens is not None:
         extra.setdefault("max_num_batched_tokens", cfg.batching.max_prefill_tokens)
     for name, where in found.sources.items():
@@ -286,4 +336,5 @@ def vllm_config_from_resolved(
         seed=cfg.vllm.seed,
         max_queue_size=cfg.batching.max_queue_size,
         extra_engine_args=extra,
+        lora=lora,
     )

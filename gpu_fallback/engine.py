@@ -5,7 +5,9 @@ setting the spawn start method (vLLM would otherwise fork its engine core). Noth
 ``torch.cuda``: GPUs are counted through NVML, so this process never initialises CUDA. The engine is
 built as vLLM's OpenAI server builds it (``UsageContext.OPENAI_API_SERVER``), non-streaming
 requests ask for the final output only, and the model's generation_config.json defaults fill what a
-request leaves unset. Tests in the main environment give ``VllmEngine`` a stand-in backend to check
+request leaves unset. With ``option.enable_lora`` it serves LoRA adapters
+(``engine.protocol.AdapterHost``): each request's adapter becomes vLLM's ``LoRARequest``
+(``gpu_fallback.adapters``). Tests in the main environment give ``VllmEngine`` a stand-in backend to check
 admission, abort-on-close and the stats without vLLM.
 """
 
@@ -13,35 +15,37 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
-import sys
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpu_fallback.adapters import VllmAdapters, start_adapters
 from gpu_fallback.config import VllmEngineConfig, engine_args_kwargs, load_chat_template, use_spawn
 from gpu_fallback.mapping import delta_to_events, prompt_tokens, refusal, sampling_kwargs
-from neuron_lmi.engine.admission import Admission, AdmissionLimits, Capacity, ValidRequest, check_accepting
+from gpu_fallback.metrics import SchedulerSnapshot, VllmMetricsCollector, stat_logger_class
+from neuron_lmi.backends.lora import LoraSettings
+from neuron_lmi.engine.admission import (
+    HOST_SAMPLING,
+    Admission,
+    AdmissionLimits,
+    Capacity,
+    ValidRequest,
+    check_accepting,
+)
 from neuron_lmi.engine.types import (
     EngineDeadError,
     EngineStats,
+    InvalidRequestError,
     SamplingParams,
     TokenEvent,
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class SchedulerSnapshot:
-    """vLLM's latest scheduler stats, written by its stat logger after each step."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_cache_usage: float = 0.0
 
 
 @dataclass(slots=True)
@@ -84,7 +88,7 @@ class VllmBackend:
         return AsyncLLM.from_engine_args(
             AsyncEngineArgs(**kwargs),
             usage_context=UsageContext.OPENAI_API_SERVER,
-            stat_loggers=[_stat_logger_class(snapshot)],
+            stat_loggers=[stat_logger_class(snapshot)],
         )
 
     def sampling_params(self, kwargs: dict[str, Any], stream: bool = True) -> Any:
@@ -94,47 +98,25 @@ class VllmBackend:
         return self._sampling_cls(**kwargs, output_kind=self._kinds[stream])
 
     @staticmethod
+    def lora_request(name: str, lora_id: int, path: str) -> Any:
+        """vLLM's ``LoRARequest`` for an adapter (``lora_id`` >= 1: vLLM's own ids start at 1)."""
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(name, lora_id, path)
+
+    @staticmethod
+    def on_cpu() -> bool:
+        """Whether vLLM runs on its CPU platform (a CPU build of vLLM)."""
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+
+    @staticmethod
     def device_count() -> int:
         """Visible CUDA GPUs, counted without initialising CUDA (NVML, ``CUDA_VISIBLE_DEVICES``)."""
         from neuron_lmi.backends.dispatch import cuda_device_count
 
         return cuda_device_count(os.environ)[0]
-
-
-class VllmMetricsCollector:
-    """vLLM's own Prometheus series (``vllm:*``, from its stat logger) at each scrape, so /metrics
-    shows them beside ours. Reads nothing until vLLM is imported (an engine was built)."""
-
-    def describe(self) -> Iterable[Any]:
-        return ()
-
-    def collect(self) -> Iterable[Any]:
-        if "vllm" not in sys.modules:
-            return
-        from vllm.v1.metrics.prometheus import get_prometheus_registry
-
-        for metric in get_prometheus_registry().collect():
-            if metric.name.startswith("vllm:"):
-                yield metric
-
-
-def _stat_logger_class(snapshot: SchedulerSnapshot) -> type:
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class SnapshotStatLogger(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            self.engine_index = engine_index
-
-        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0) -> None:
-            if scheduler_stats is not None:
-                snapshot.running = scheduler_stats.num_running_reqs
-                snapshot.waiting = scheduler_stats.num_waiting_reqs
-                snapshot.kv_cache_usage = scheduler_stats.kv_cache_usage
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return SnapshotStatLogger
 
 
 class VllmEngine:
@@ -162,6 +144,7 @@ class VllmEngine:
         self._active: dict[str, _Live] = {}
         self._snapshot = SchedulerSnapshot()
         self._stopping = False
+        self._adapters: VllmAdapters | None = None  # with option.enable_lora, set by start()
         self.admission: Admission  # set by start(), once vLLM has settled max_model_len
         # The model's sampling defaults (generation_config.json), read from vLLM once it started.
         self.sampling_defaults: dict[str, Any] = {}
@@ -176,7 +159,6 @@ class VllmEngine:
         """Resolve the model directory (converting a GGUF once), load the tokenizer; idempotent."""
         if self._model_dir is not None:
             return self._model_dir
-        import json
 
         from transformers import AutoTokenizer
 
@@ -213,10 +195,23 @@ class VllmEngine:
         model_config = self._llm.model_config
         self.n_positions = int(model_config.max_model_len)
         # Admission against what vLLM settled on (``max_model_len`` is known only now).
+        lora = self.config.lora
+        capabilities = HOST_SAMPLING
+        if lora is not None:
+            capabilities = dataclasses.replace(
+                HOST_SAMPLING, lora_slots=lora.max_loras, lora_rank=lora.max_lora_rank
+            )
         limits = AdmissionLimits(
-            self.n_positions, len(self.tokenizer), self.max_batch_size, self.config.max_queue_size
+            self.n_positions,
+            len(self.tokenizer),
+            self.max_batch_size,
+            self.config.max_queue_size,
+            capabilities,
+            "the vLLM backend",
         )
         self.admission = Admission(self.tokenizer.encode, limits)
+        if lora is not None:
+            await self._start_adapters(lora, model_dir)
         diff = getattr(model_config, "get_diff_sampling_param", None)
         self.sampling_defaults = dict(diff()) if diff is not None else {}
         if self.sampling_defaults:
@@ -234,6 +229,43 @@ class VllmEngine:
             await self._llm.abort(list(self._active))
         llm, self._llm = self._llm, None
         await asyncio.to_thread(llm.shutdown)
+
+    async def _start_adapters(self, lora: LoraSettings, model_dir: Path) -> None:
+        """The adapter table, with the start-up adapters loaded (``ValueError`` naming a bad one)."""
+        if self._backend.on_cpu():
+            log.warning(
+                "LoRA on vLLM's CPU build: a base-model request batched with adapter requests may run "
+                "with the last LoRA slot's adapter (vLLM marks 'no adapter' as index -1 in its CPU "
+                "LoRA kernels); see docs/lora.md"
+            )
+        llm = self._llm
+        self._adapters = await start_adapters(
+            lora, model_dir, self._backend.lora_request, llm.add_lora, llm.remove_lora
+        )
+        self.admission.adapters = self._adapters.served
+
+    # -- adapters (AdapterHost) ---------------------------------------------------------------
+    @property
+    def serves_adapters(self) -> bool:
+        return self.config.lora is not None
+
+    @property
+    def adapters(self) -> Mapping[str, str]:
+        """Served adapters: name -> the directory it was read from."""
+        return self._adapters.names() if self._adapters is not None else {}
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Check an adapter and load it into vLLM; raises ``InvalidRequestError`` naming it."""
+        if self._adapters is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (option.enable_lora)", "lora_name")
+        await self._adapters.register(name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving an adapter at once (``UnknownAdapterError`` if not served); its running
+        requests finish, then vLLM frees it."""
+        if self._adapters is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (option.enable_lora)", "lora_name")
+        await self._adapters.unregister(name)
 
     def _alive(self) -> bool:
         return self._llm is not None and not self._llm.errored
@@ -263,6 +295,7 @@ class VllmEngine:
             request.backend_params,
             params.top_n_tokens,
             params.prompt_logprobs,
+            params.adapter,
         )
 
     def prometheus_collectors(self) -> list[VllmMetricsCollector]:
@@ -270,13 +303,23 @@ class VllmEngine:
         return [VllmMetricsCollector()]
 
     async def _stream(
-        self, rid: str, ids: list[int], vparams: Any, top_n: int, prompt_top_n: int | None = None
+        self,
+        rid: str,
+        ids: list[int],
+        vparams: Any,
+        top_n: int,
+        prompt_top_n: int | None = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[TokenEvent]:
+        # Held here, not in generate(), for the same reason as the row below; an adapter unloaded
+        # since admission is refused now (404), before anything reaches vLLM.
+        adapters = self._adapters
+        lora_request = adapters.hold(adapter) if adapter is not None and adapters is not None else None
         # Registered here, not in generate(): a stream that is never iterated never runs its
         # finally, and must not hold a row in the stats.
         live = self._active[rid] = _Live(prompt_tokens=len(ids))
         finished = False
-        outputs = self._llm.generate({"prompt_token_ids": ids}, vparams, rid)
+        outputs = self._llm.generate({"prompt_token_ids": ids}, vparams, rid, lora_request=lora_request)
         try:
             async for out in outputs:
                 events = delta_to_events(
@@ -310,6 +353,8 @@ class VllmEngine:
             await outputs.aclose()
             if not finished and self._alive():
                 await self._llm.abort(rid)
+            if lora_request is not None and adapters is not None:
+                await adapters.release(lora_request)
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

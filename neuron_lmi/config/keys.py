@@ -131,7 +131,7 @@ KEYS: tuple[KeySpec, ...] = (
     _opt("vllm", "chat_template"),
     _opt("vllm", "seed"),
     _opt("vllm", "served_model_name"),
-    # LoRA adapters (LMI's and vLLM's names; vLLM reads them itself too: VLLM_RELEASED_FIELDS)
+    # LoRA adapters (LMI's and vLLM's names; gpu_fallback.config maps them onto vLLM's engine arguments)
     _opt("lora", "enable_lora"),
     _opt("lora", "max_loras"),
     _opt("lora", "max_lora_rank"),

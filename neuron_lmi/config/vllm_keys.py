@@ -14,19 +14,12 @@ from neuron_lmi.config.keys import BY_LMI, KEYS
 from neuron_lmi.config.options import ROLLING_BATCH_REQUESTS
 from neuron_lmi.config.sources import Origin
 
-# Shared keys vLLM reads itself when it serves: LMI's option.quantize is vLLM's quantization,
-# option.enforce_eager is vLLM's own switch (ours turns off the CPU engine's compiled graphs), and
-# option.speculative_config is vLLM's own (ours runs its ngram method in our engine).
-VLLM_RELEASED_FIELDS = (
-    "quantize",
-    "enforce_eager",
-    "speculative_config",
-    # LoRA: the CPU engine's settings and vLLM's engine arguments of the same names.
-    "enable_lora",
-    "max_loras",
-    "max_lora_rank",
-    "max_cpu_loras",
-)
+# Shared keys vLLM reads itself when it serves: LMI's option.quantize is vLLM's quantization, and
+# option.enforce_eager is vLLM's own switch (ours turns off the CPU engine's compiled graphs). The
+# LoRA keys and option.speculative_config are not released: they stay typed in ``config.lora`` and
+# ``config.batching.speculative_config``, and ``gpu_fallback.config`` maps them onto vLLM's
+# engine arguments (one parse of each key, whichever backend serves).
+VLLM_RELEASED_FIELDS = ("quantize", "enforce_eager")
 OPTION_PREFIX = "option."
 OPTION_ENV_PREFIX = "OPTION_"
 

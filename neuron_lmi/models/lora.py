@@ -30,13 +30,14 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from neuron_lmi.models import lora_delta as _lora_delta  # noqa: F401  (defines the op add_lora calls)
 from neuron_lmi.models.args import ModelArgs
 
+T = TypeVar("T")
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT module name -> (our fused projection, its index among that projection's modules).
@@ -135,6 +136,60 @@ def projection_shapes(args: ModelArgs) -> dict[str, tuple[int, tuple[int, ...]]]
     }
 
 
+def adaptable_modules(projections: frozenset[str]) -> frozenset[str]:
+    """The PEFT module names a model whose adaptable fused projections are ``projections`` takes."""
+    return frozenset(m for m, (projection, _) in MODULES.items() if projection in projections)
+
+
+def check_adapter(
+    name: str,
+    path: str | Path,
+    args: ModelArgs,
+    modules: frozenset[str],
+    max_rank: int,
+    base_names: Sequence[str] = (),
+) -> AdapterConfig:
+    """The checks every backend makes before it serves the PEFT adapter at ``path`` for a model of
+    ``args`` that adapts the PEFT ``modules`` (``q_proj``...): the format (``read_adapter_config``),
+    a rank within ``max_rank``, the base model's name (``base_names``, compared by last path part),
+    a safetensors file of LoRA weights for modules in ``modules`` whose shapes are this model's.
+    Reads the weights' header only (no tensor); raises ``AdapterError`` naming the adapter and why."""
+    from safetensors import safe_open  # only where adapters are served
+
+    path = Path(path)
+    config = read_adapter_config(name, path)
+    if config.rank > max_rank:
+        raise AdapterError(name, f"rank {config.rank} exceeds max_lora_rank={max_rank}")
+    _check_base(name, config.base_model, base_names)
+    file = path / WEIGHTS_FILE
+    if not file.is_file():
+        raise AdapterError(name, f"no {WEIGHTS_FILE} in {path} (only safetensors adapters are read)")
+    with safe_open(str(file), framework="pt") as weights:
+        shapes = {key: tuple(weights.get_slice(key).get_shape()) for key in weights.keys()}  # noqa: SIM118 (not a dict)
+    pairs = _module_pairs(name, shapes, args.n_layers)
+    projections = projection_shapes(args)
+    top_rank = 0
+    for layer, by_module in enumerate(pairs):
+        for module, (a, b) in by_module.items():
+            if module not in modules:
+                raise AdapterError(name, f"target module {module} cannot be adapted on this model")
+            projection, index = MODULES[module]
+            d_in, outs = projections[projection]
+            rank = a[0]
+            if a != (rank, d_in) or b != (outs[index], rank):
+                raise AdapterError(
+                    name,
+                    f"layer {layer} {module}: lora_A {a} / lora_B {b} do not fit "
+                    f"the base model's {module} ({outs[index]} x {d_in}): another base model?",
+                )
+            if rank > max_rank:
+                raise AdapterError(name, f"{module} rank {rank} exceeds max_lora_rank={max_rank}")
+            top_rank = max(top_rank, rank)
+    if top_rank == 0:
+        raise AdapterError(name, f"{WEIGHTS_FILE} holds no LoRA weights")
+    return config
+
+
 def load_adapter(
     name: str,
     path: str | Path,
@@ -145,20 +200,13 @@ def load_adapter(
     dtype: torch.dtype = torch.float32,
 ) -> LoraAdapter:
     """Read a PEFT adapter directory for a model of ``args`` whose adaptable projections are
-    ``supported``; raises ``AdapterError`` naming the adapter and the reason: a rank above
-    ``max_rank``, a base model named otherwise than ``base_names`` (compared by last path part), a
-    module this model cannot adapt, a weight whose shape is not this model's."""
+    ``supported``, after ``check_adapter``'s checks (an ``AdapterError`` naming the adapter and the
+    reason), fused as the model's projections are."""
     from safetensors.torch import load_file  # only where adapters are served
 
     path = Path(path)
-    config = read_adapter_config(name, path)
-    if config.rank > max_rank:
-        raise AdapterError(name, f"rank {config.rank} exceeds max_lora_rank={max_rank}")
-    _check_base(name, config.base_model, base_names)
-    file = path / WEIGHTS_FILE
-    if not file.is_file():
-        raise AdapterError(name, f"no {WEIGHTS_FILE} in {path} (only safetensors adapters are read)")
-    pairs = _module_pairs(name, load_file(str(file)), args.n_layers)
+    config = check_adapter(name, path, args, adaptable_modules(supported), max_rank, base_names)
+    pairs = _module_pairs(name, load_file(str(path / WEIGHTS_FILE)), args.n_layers)
     shapes = projection_shapes(args)
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(args.n_layers)]
     top_rank = 0
@@ -166,24 +214,11 @@ def load_adapter(
         grouped: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for module, (a, b) in by_module.items():
             projection, index = MODULES[module]
-            if projection not in supported:
-                raise AdapterError(name, f"target module {module} cannot be adapted on this model")
-            d_in, outs = shapes[projection]
             rank = a.shape[0]
-            if a.shape != (rank, d_in) or b.shape != (outs[index], rank):
-                raise AdapterError(
-                    name,
-                    f"layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit "
-                    f"the base model's {module} ({outs[index]} x {d_in}): another base model?",
-                )
-            if rank > max_rank:
-                raise AdapterError(name, f"{module} rank {rank} exceeds max_lora_rank={max_rank}")
             top_rank = max(top_rank, rank)
             grouped.setdefault(projection, {})[index] = (a.float(), b.float() * config.scale(rank))
         for projection, modules in grouped.items():
             layers[layer][projection] = _fuse(modules, shapes[projection], dtype)
-    if top_rank == 0:
-        raise AdapterError(name, f"{WEIGHTS_FILE} holds no LoRA weights")
     return LoraAdapter(name, top_rank, tuple(layers))
 
 
@@ -197,21 +232,21 @@ def _check_base(name: str, base: str | None, base_names: Sequence[str]) -> None:
         raise AdapterError(name, message)
 
 
-def _module_pairs(
-    name: str, tensors: Mapping[str, torch.Tensor], n_layers: int
-) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    halves: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(n_layers)]
+def _module_pairs(name: str, tensors: Mapping[str, T], n_layers: int) -> list[dict[str, tuple[T, T]]]:
+    """Per layer, module -> (its lora_A, its lora_B): tensors, or their shapes (``check_adapter``)."""
+    halves: list[dict[str, dict[str, T]]] = [{} for _ in range(n_layers)]
     for key, tensor in tensors.items():
         match = _KEY.search(key)
         if match is None:
             raise AdapterError(name, f"weight {key} is not a LoRA weight of a module this engine adapts")
         layer, module, half = int(match[1]), match[2], match[3]
         if module not in MODULES:
-            raise AdapterError(name, f"target module {module} cannot be adapted by the CPU engine")
+            reason = f"target module {module} cannot be adapted (q, k, v, o, gate, up, down only)"
+            raise AdapterError(name, reason)
         if layer >= n_layers:
             raise AdapterError(name, f"weight {key} is for layer {layer}; the base model has {n_layers}")
         halves[layer].setdefault(module, {})[half] = tensor
-    pairs: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+    pairs: list[dict[str, tuple[T, T]]] = []
     for layer, modules in enumerate(halves):
         pairs.append({})
         for module, ab in modules.items():

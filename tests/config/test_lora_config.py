@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from neuron_lmi.backends.cpu.lora import base_names_of, cpu_lora
+from neuron_lmi.backends.lora import base_names_of, resolve_lora
 from neuron_lmi.config import ConfigError, cli_overrides, format_config
 
 
@@ -49,18 +49,18 @@ def test_cpu_view_finds_adapters_folder_and_refuses_repeats(load, tmp_path: Path
         (model / "adapters" / name).mkdir(parents=True)
     given = tmp_path / "given"
     given.mkdir()
-    lora = cpu_lora(load(cli={"enable_lora": True, "lora_modules": f"x={given}"}), model, {})
+    lora = resolve_lora(load(cli={"enable_lora": True, "lora_modules": f"x={given}"}), model, {})
     assert lora is not None
     assert lora.modules == (
         ("x", str(given.resolve())),
         ("chat", str(model / "adapters" / "chat")),
         ("sql", str(model / "adapters" / "sql")),
     )
-    assert cpu_lora(load(), model, {}) is None  # adapters/ alone does not turn LoRA on
+    assert resolve_lora(load(), model, {}) is None  # adapters/ alone does not turn LoRA on
     with pytest.raises(ValueError, match=r"needs option\.enable_lora"):
-        cpu_lora(load(cli={"lora_modules": f"x={given}"}), model, {})
+        resolve_lora(load(cli={"lora_modules": f"x={given}"}), model, {})
     with pytest.raises(ValueError, match=r"\['sql'\] given twice"):
-        cpu_lora(load(cli={"enable_lora": True, "lora_modules": f"sql={given}"}), model, {})
+        resolve_lora(load(cli={"enable_lora": True, "lora_modules": f"sql={given}"}), model, {})
 
 
 def test_base_names_are_hub_ids_only(tmp_path: Path) -> None:

@@ -75,8 +75,9 @@ def test_a_draft_model_is_a_valid_setting_the_engine_refuses(load) -> None:
     assert resolved.config.batching.speculative_config == expected
 
 
-def test_vllm_reads_the_key_itself_when_it_serves(load, write_props) -> None:
+def test_vllm_gets_the_parsed_key_when_it_serves(load, write_props) -> None:
     resolved = load(properties=write_props(f"option.rolling_batch=vllm\noption.speculative_config={NGRAM}\n"))
-    assert resolved.config.batching.speculative_config is None  # released to vLLM
-    assert resolved.vllm_options["speculative_config"].value == NGRAM
+    # Parsed once here; gpu_fallback.config maps it onto vLLM's speculative_config.
+    assert resolved.config.batching.speculative_config == SpeculativeConfig("ngram", 3, 4, 4)
+    assert "speculative_config" not in resolved.vllm_options
     assert "option.speculative_config" not in resolved.ignored

@@ -47,7 +47,7 @@ class FakeLLM:
         self.aborted: list[str] = []
         self.die_after: int | None = None
 
-    async def generate(self, prompt, params, request_id):
+    async def generate(self, prompt, params, request_id, lora_request=None):
         if len(prompt["prompt_token_ids"]) > 20:  # as vLLM's input processor refuses a prompt
             raise FakeClientError("The decoder prompt (length 21) is longer than the maximum model length")
         self.unfinished.add(request_id)

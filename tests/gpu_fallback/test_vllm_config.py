@@ -59,9 +59,9 @@ def test_engine_arguments_pass_through_typed() -> None:
         "option.max_rolling_batch_prefill_tokens": "8192",
         "option.quantize": "awq",
         "option.kv_cache_dtype": "fp8",
-        "option.speculative_config": '{"method": "ngram", "num_speculative_tokens": 4}',
-        "option.max_lora_rank": "16",
         "option.chat_template": "{{ x }}",  # the shared table's keys: typed by the loader
+        "option.max_lora_rank": "16",
+        "option.speculative_config": '{"method": "ngram", "num_speculative_tokens": 4}',
         "option.entryPoint": "djl_python.huggingface",
         "option.model_id": "/m",
     }
@@ -76,8 +76,6 @@ def test_engine_arguments_pass_through_typed() -> None:
         "max_num_batched_tokens": 8192,  # LMI's alias
         "quantization": "awq",  # LMI's option.quantize
         "kv_cache_dtype": "fp8",
-        "speculative_config": {"method": "ngram", "num_speculative_tokens": 4},
-        "max_lora_rank": 16,
         "cpu_offload_gb": 2.5,
         "tokenizer_mode": "hf",
     }
@@ -96,7 +94,6 @@ def test_vllm_name_wins_over_lmi_alias() -> None:
         ("option.enable_prefix_caching", "maybe", "option.enable_prefix_caching='maybe'"),
         ("option.max_num_batched_tokens", "1.5", "max_num_batched_tokens"),
         ("option.kv_cache_dtype", "fp4", "kv_cache_dtype"),
-        ("option.speculative_config", "{not json", "speculative_config"),
         ("option.cpu_offload_gb", "lots", "option.cpu_offload_gb"),
         ("option.max_num_seqs", "8", "option.max_rolling_batch_size"),
     ],
@@ -105,6 +102,39 @@ def test_bad_engine_argument_is_a_startup_error_naming_the_key(key, value, messa
     with pytest.raises(ConfigError, match=message) as info:
         engine_options({key: value})
     assert info.value.key == key and info.value.source == "serving.properties:/x"
+
+
+def test_lora_and_speculation_map_from_the_typed_config(tmp_path) -> None:
+    """The LoRA keys and option.speculative_config are parsed once, by the loader, and become
+    vLLM's engine arguments of the same names, typed by vLLM's annotations."""
+    from neuron_lmi.backends.lora import LoraSettings
+
+    props = tmp_path / "serving.properties"
+    props.write_text(
+        "option.rolling_batch=vllm\noption.enable_lora=true\noption.max_loras=2\noption.max_lora_rank=8\n"
+        'option.speculative_config={"method": "ngram", "num_speculative_tokens": 3}\n'
+    )
+    resolved = load_config({"max_cpu_loras": 3}, props, {"SM_MODEL_DIR": str(tmp_path / "none")})
+    assert resolved.config.lora.enable_lora and "enable_lora" not in resolved.vllm_options
+    lora = LoraSettings(2, 8, 3, (), ())
+    config = vllm_config_from_resolved(resolved, "/m", "m", tp_degree=1, fields=FIELDS, lora=lora)
+    expected = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 3}
+    assert expected.items() <= dict(config.extra_engine_args).items()
+    assert config.extra_engine_args["speculative_config"] == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 5,
+        "prompt_lookup_max": 5,
+    }
+    assert engine_args_kwargs(config, "/m")["max_lora_rank"] == 8
+    with pytest.raises(ValueError, match="enable_lora must agree"):
+        vllm_config_from_resolved(resolved, "/m", "m", tp_degree=1, fields=FIELDS)  # no adapters resolved
+    # A rank vLLM does not take: a start-up error naming the key as written and where it came from.
+    props.write_text("option.rolling_batch=vllm\noption.enable_lora=true\noption.max_lora_rank=4\n")
+    resolved = load_config({}, props, {"SM_MODEL_DIR": str(tmp_path / "none")})
+    with pytest.raises(ConfigError, match="max_lora_rank") as info:
+        vllm_config_from_resolved(resolved, "/m", "m", tp_degree=1, fields=FIELDS, lora=lora)
+    assert info.value.key == "option.max_lora_rank" and info.value.source.startswith("serving.properties")
 
 
 def _model_dir(tmp_path: Path, max_positions: int = 16384) -> Path:

@@ -65,8 +65,11 @@ def spy(name, real):
 for name in ("is_available", "device_count", "init", "current_device", "_lazy_init"):
     setattr(torch.cuda, name, spy(name, getattr(torch.cuda, name)))
 
+from pathlib import Path
+
 from gpu_fallback.config import vllm_config_from_resolved
 from gpu_fallback.engine import VllmEngine
+from neuron_lmi.backends.lora import resolve_lora
 from neuron_lmi.config import load_config
 
 model = sys.argv[1]
@@ -76,9 +79,16 @@ options = {
     "OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS": "1024",
     "OPTION_TOKENIZER_MODE": "hf",
     "OPTION_DTYPE": "fp32",
+    # Typed by the loader, mapped onto vLLM's engine arguments (gpu_fallback.config.typed_engine_args).
+    "OPTION_ENABLE_LORA": "true",
+    "OPTION_MAX_LORAS": "2",
+    "OPTION_MAX_LORA_RANK": "8",
+    "OPTION_MAX_CPU_LORAS": "3",
+    "OPTION_SPECULATIVE_CONFIG": '{"method": "ngram", "num_speculative_tokens": 3}',
 }
 resolved = load_config({"model_id": model, "backend": "vllm"}, None, options)
-config = vllm_config_from_resolved(resolved, model, "smollm2", tp_degree=1)
+lora = resolve_lora(resolved, Path(model), options)
+config = vllm_config_from_resolved(resolved, model, "smollm2", tp_degree=1, lora=lora)
 record["n_positions_configured"] = config.n_positions
 record["loader_n_positions"] = resolved.config.batching.n_positions
 
@@ -95,7 +105,16 @@ def recorder(engine_args, start_engine_loop=True, usage_context=None, stat_logge
     record["enable_prefix_caching"] = vc.cache_config.enable_prefix_caching
     record["tokenizer_mode"] = vc.model_config.tokenizer_mode
     record["tensor_parallel_size"] = vc.parallel_config.tensor_parallel_size
-    return SimpleNamespace(model_config=vc.model_config, errored=False, shutdown=lambda: None)
+    lc, sc = vc.lora_config, vc.speculative_config
+    record["lora"] = [lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras] if lc is not None else None
+    record["speculative"] = [sc.method, sc.num_speculative_tokens] if sc is not None else None
+
+    async def no_op(*args):
+        return True
+
+    return SimpleNamespace(
+        model_config=vc.model_config, errored=False, shutdown=lambda: None, add_lora=no_op, remove_lora=no_op
+    )
 
 
 AsyncLLM.from_engine_args = staticmethod(recorder)
@@ -153,6 +172,8 @@ def test_engine_arguments_reach_vllm(startup: dict) -> None:
     assert startup["enable_prefix_caching"] is True
     assert startup["max_num_batched_tokens"] == 1024  # LMI's max_rolling_batch_prefill_tokens
     assert startup["tokenizer_mode"] == "hf"
+    assert startup["lora"] == [2, 8, 3]  # option.enable_lora and its kin, from the typed config
+    assert startup["speculative"] == ["ngram", 3]
 
 
 def test_generation_config_defaults_are_read(startup: dict) -> None:

@@ -25,7 +25,8 @@ import torch
 from neuron_lmi.backends.backend import load_runner
 from neuron_lmi.backends.common import cache_for, eos_ids_for, fetch
 from neuron_lmi.backends.cpu.backend import CPU_BACKEND
-from neuron_lmi.backends.cpu.lora import CpuLora, adapter_table, cpu_lora
+from neuron_lmi.backends.cpu.lora import adapter_table
+from neuron_lmi.backends.lora import LoraSettings, resolve_lora
 from neuron_lmi.config.dtypes import DTYPES, canonical_dtype
 from neuron_lmi.config.options import (
     DEFAULT_MAX_PREFILL_TOKENS,
@@ -112,8 +113,8 @@ class CpuEngineOptions:
     max_restarts: int
     # option.speculative_config: n-gram drafts verified per row (docs/speculative-decoding.md)
     speculative_config: SpeculativeConfig | None
-    # option.enable_lora and its kin, the start-up adapters fetched (backends.cpu.lora); None: off.
-    lora: CpuLora | None
+    # option.enable_lora and its kin, the start-up adapters fetched (backends.lora); None: off.
+    lora: LoraSettings | None
 
     @classmethod
     def from_resolved(
@@ -144,7 +145,7 @@ class CpuEngineOptions:
             compile_graphs=not cfg.model.enforce_eager,
             max_restarts=0 if cfg.server.fail_fast else DEFAULT_MAX_RESTARTS,
             speculative_config=cfg.batching.speculative_config,
-            lora=cpu_lora(resolved, Path(model_path)),
+            lora=resolve_lora(resolved, Path(model_path)),
         )
 
     @classmethod
