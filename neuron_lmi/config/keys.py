@@ -89,6 +89,8 @@ KEYS: tuple[KeySpec, ...] = (
     _srv("batching", "max_queue_size", name="job_queue_size"),
     _opt("batching", "max_prefill_tokens"),
     _opt("batching", "speculative_config"),
+    _opt("batching", "speculative_draft_model"),
+    _opt("batching", "speculative_length"),
     # parallel: SM_NUM_GPUS is how SageMaker GPU images pass the device count
     _opt("parallel", "tensor_parallel_degree", "TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS"),
     _opt("parallel", "group_query_attention"),

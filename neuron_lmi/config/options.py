@@ -18,7 +18,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from neuron_lmi.config.dtypes import canonical_dtype
-from neuron_lmi.config.speculative import SpeculativeConfig, json_value, parse_speculative_config
+from neuron_lmi.config.speculative import (
+    SpeculativeConfig,
+    json_value,
+    lmi_draft_model,
+    parse_speculative_config,
+)
 
 DEFAULT_MODEL = "smollm2"  # the built-in model every command and engine serves when none is named
 
@@ -189,9 +194,12 @@ class BatchingOptions(_Section):
     context_length_estimate: tuple[int, ...] | None = None
     max_queue_size: int = Field(default=DEFAULT_MAX_QUEUE_SIZE, ge=1)
     max_prefill_tokens: int | None = Field(default=None, ge=1)
-    # vLLM's speculative_config (JSON, vLLM's names): n-gram prompt lookup on the CPU engine
-    # (docs/speculative-decoding.md); None decodes one token per step.
+    # vLLM's speculative_config (JSON, vLLM's names): n-gram prompt lookup or a draft model on the
+    # CPU engine (docs/speculative-decoding.md); None decodes one token per step.
     speculative_config: SpeculativeConfig | None = None
+    # LMI's draft-model keys: the same draft_model setting (``speculation``); one or the other.
+    speculative_draft_model: str | None = None
+    speculative_length: int | None = Field(default=None, ge=1)
 
     @field_validator("speculative_config", mode="plain")
     @classmethod
@@ -223,6 +231,14 @@ class BatchingOptions(_Section):
         if list(value) != sorted(set(value)):
             raise ValueError("lengths must be strictly increasing")
         return value
+
+    @property
+    def speculation(self) -> SpeculativeConfig | None:
+        """The speculative-decoding setting, from ``speculative_config`` or LMI's draft-model keys
+        (the loader refuses both at once)."""
+        if self.speculative_draft_model is not None:
+            return lmi_draft_model(self.speculative_draft_model, self.speculative_length)
+        return self.speculative_config
 
     @property
     def rolling(self) -> bool:

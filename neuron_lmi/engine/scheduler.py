@@ -333,6 +333,8 @@ class Scheduler:
         if request.lora_slot is not None and self.adapters is not None:
             self.adapters.unpin(request.lora_slot)
             request.lora_slot = None
+        if self.speculator is not None:  # a draft model's row goes with the target's
+            self.speculator.release(request)
         self.remove(request)
 
     def remove(self, request: Request) -> None:
