@@ -350,7 +350,7 @@ class Speculator:
     one forward (``max_verify_tokens - 1``: the engine gives ``verify_tokens(capabilities)``), than
     the row has positions left for, or than the request may still generate minus one (the model's
     own token always follows the drafts). The q of a step's sampled drafts is held from ``drafts``
-    until that step's ``verify`` (or the request's ``release``).
+    until the next step's (or the request's ``release``).
     """
 
     def __init__(
@@ -418,8 +418,9 @@ class Speculator:
         return max(room, 0)
 
     def verify(self, logits: torch.Tensor, drafts: Sequence[int], request: Request) -> list[int]:
-        """``verify`` with the q this step's proposer drew ``request``'s drafts from."""
-        return verify(logits, drafts, request, self._probs.pop(request, None))
+        """``verify`` with the q this step's proposer drew ``request``'s drafts from (kept until the
+        next step's drafts: a failed batch's lines are verified again one by one)."""
+        return verify(logits, drafts, request, self._probs.get(request))
 
     def release(self, request: Request) -> None:
         """Forget a finished request (its draft row, its pending q)."""

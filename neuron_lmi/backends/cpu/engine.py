@@ -160,15 +160,20 @@ class CpuEngineOptions:
         env = os.environ if env is None else env
         degree = resolved.config.parallel.tensor_parallel_degree
         options = cls.from_resolved(resolved, fetch(resolved, env), 1 if degree == "max" else int(degree))
-        spec = options.speculative_config
+        return options.with_draft_fetched(resolved.config.model.model_loading_timeout, env)
+
+    def with_draft_fetched(self, timeout: float, env: Mapping[str, str]) -> CpuEngineOptions:
+        """These options with a draft model (``draft_model`` speculation) fetched as the model is
+        (built-in, local, ``s3://``, Hub) and named by its local path; a start-up error naming the
+        key where it cannot be."""
+        spec = self.speculative_config
         if spec is None or spec.method != DRAFT_MODEL or spec.model is None:
-            return options
-        timeout = resolved.config.model.model_loading_timeout
+            return self
         try:
             draft = fetch_model(spec.model, model_cache_dir(env), timeout, env)
-        except Exception as exc:  # a start-up error naming the key, whatever the source said
+        except Exception as exc:  # whatever the source raised, the key is what the user can change
             raise ValueError(f"{spec.key}: draft model {spec.model!r} cannot be read: {exc}") from exc
-        return replace(options, speculative_config=replace(spec, model=str(draft)))
+        return replace(self, speculative_config=replace(spec, model=str(draft)))
 
     def dtype_name(self) -> str:
         """``dtype`` with ``auto`` resolved for this host; the name the compile cache keys on."""
