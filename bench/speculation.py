@@ -1,4 +1,4 @@
-"""N-gram speculation (``option.speculative_config``) off and on, on a load that copies and one that does not.
+"""Speculation (``option.speculative_config``) off and on, on a load that copies and one that does not.
 
 Issue #39: prompt lookup pays where the output repeats the prompt, and costs a longer forward where
 it does not. Two loads, replayed closed-loop on an ``EngineCore`` built in this process (as
@@ -11,7 +11,10 @@ it does not. Two loads, replayed closed-loop on an ``EngineCore`` built in this 
 
     python -m bench.speculation [--model smollm2 --dtype fp32 --quantize int4 --loads copy,decode
         --concurrency 1,16 --requests N --k 4 --prompt-lookup-min 2 --prompt-lookup-max 4
-        --n-positions 1024 --out F]
+        --n-positions 1024 --draft-model PATH --out F]
+
+``--draft-model`` speculates with a draft model of the same tokenizer (vLLM's ``draft_model``, k =
+``--k``) instead of the n-gram lookup; the draft runs eagerly in the same dtype and quantization.
 
 The engine without speculation runs every (load, concurrency) first and is freed, then the engine
 with it (each has the machine to itself). Each run follows a warm-up of ``concurrency`` other
@@ -160,7 +163,9 @@ def run_engine(
     """Build one engine, run every (load, concurrency) on it; its figures, outputs and mean prompt
     lengths. The engine is dropped on return, so the next one is built on a free machine."""
     speculative = None
-    if spec:
+    if spec and args.draft_model:
+        speculative = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
+    elif spec:
         speculative = {
             "method": "ngram",
             "num_speculative_tokens": args.k,
@@ -220,6 +225,10 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--requests", type=int, help="per run (default: 2 x concurrency, at least 4)")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument(
+        "--draft-model",
+        help="speculate with this draft model (same tokenizer; vLLM's draft_model) instead of n-gram lookup",
+    )
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=300, help="the copy load's prompts")

@@ -263,7 +263,7 @@ def typed_engine_args(resolved: ResolvedConfig, fields: Mapping[str, Any]) -> di
             "max_lora_rank": lora.max_lora_rank,
             "max_cpu_loras": lora.cpu_loras,
         }
-    spec = cfg.batching.speculative_config
+    spec = cfg.batching.speculation
     if spec is not None:
         values["speculative_config"] = spec.to_json()
     for name, value in values.items():

@@ -95,7 +95,7 @@ def rolling_batch_engine(
         eos_ids_for(config, tokenizer),
         cfg.batching.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS,
         # Refused at start-up, naming the key, where the runner cannot verify drafts.
-        speculative=cfg.batching.speculative_config,
+        speculative=cfg.batching.speculation,
     )
     return AsyncEngine(
         core,

@@ -67,7 +67,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--speculative-config",
         help='option.speculative_config: JSON, vLLM\'s names, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (CPU engine: ngram)',
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (CPU engine: ngram, draft_model)',
     )
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (also NEURON_LMI_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, help="refuse larger request bodies with 413")

@@ -181,6 +181,16 @@ def _check_combinations(config: ServingConfig, origins: Mapping[str, Origin]) ->
             f"with rolling batch the compiled batch is max_rolling_batch_size="
             f"{batching.max_rolling_batch_size}; leave batch_size unset or make them equal",
         )
+    if batching.speculative_draft_model is not None and batching.speculative_config is not None:
+        fail(
+            "speculative_draft_model",
+            batching.speculative_draft_model,
+            "option.speculative_config is set too: give the draft model in one of them",
+        )
+    if batching.speculative_length is not None and batching.speculative_draft_model is None:
+        fail("speculative_length", batching.speculative_length, "needs option.speculative_draft_model")
+    if batching.speculative_draft_model is not None and not batching.speculative_draft_model.strip():
+        fail("speculative_draft_model", batching.speculative_draft_model, "must name the draft model")
     lora = config.lora
     if lora.max_cpu_loras is not None and lora.max_cpu_loras < lora.max_loras:
         fail("max_cpu_loras", lora.max_cpu_loras, f"must be at least max_loras={lora.max_loras}")

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from neuron_lmi.config.dtypes import canonical_dtype
 from neuron_lmi.config.speculative import (
@@ -194,23 +194,12 @@ class BatchingOptions(_Section):
     context_length_estimate: tuple[int, ...] | None = None
     max_queue_size: int = Field(default=DEFAULT_MAX_QUEUE_SIZE, ge=1)
     max_prefill_tokens: int | None = Field(default=None, ge=1)
-    # vLLM's speculative_config (JSON, vLLM's names): n-gram prompt lookup on the CPU engine
-    # (docs/speculative-decoding.md); None decodes one token per step.
+    # vLLM's speculative_config (JSON, vLLM's names): n-gram prompt lookup or a draft model on the
+    # CPU engine (docs/speculative-decoding.md); None decodes one token per step.
     speculative_config: SpeculativeConfig | None = None
-    # LMI NeuronX's draft-model keys, folded into speculative_config (``lmi_draft_model``).
+    # LMI's draft-model keys: the same draft_model setting (``speculation``); one or the other.
     speculative_draft_model: str | None = None
-    speculative_length: int | None = Field(default=None, ge=1, le=64)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _lmi_draft(cls, data: Any) -> Any:
-        if isinstance(data, Mapping) and data.get("speculative_draft_model"):
-            if data.get("speculative_config"):
-                raise ValueError(
-                    "option.speculative_draft_model and option.speculative_config both set: use one"
-                )
-            data = {**data, "speculative_config": lmi_draft_model(data)}
-        return data
+    speculative_length: int | None = Field(default=None, ge=1)
 
     @field_validator("speculative_config", mode="plain")
     @classmethod
@@ -242,6 +231,14 @@ class BatchingOptions(_Section):
         if list(value) != sorted(set(value)):
             raise ValueError("lengths must be strictly increasing")
         return value
+
+    @property
+    def speculation(self) -> SpeculativeConfig | None:
+        """The speculative-decoding setting, from ``speculative_config`` or LMI's draft-model keys
+        (the loader refuses both at once)."""
+        if self.speculative_draft_model is not None:
+            return lmi_draft_model(self.speculative_draft_model, self.speculative_length)
+        return self.speculative_config
 
     @property
     def rolling(self) -> bool:

@@ -3,6 +3,10 @@
 The value is a JSON object (a properties or environment string, or a mapping from the Python API)::
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    {"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 4}
+
+LMI's own keys for a draft model, ``option.speculative_draft_model`` and ``option.speculative_length``
+(``lmi_draft_model``), give the same ``draft_model`` setting.
 
 Parsed here into a frozen ``SpeculativeConfig``; what is wrong in it is a ``ValueError`` naming the
 field, which the loader reports against ``option.speculative_config``. Whether a backend can run the
@@ -13,13 +17,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 KEY = "option.speculative_config"
 # vLLM's SpeculativeMethod values (vllm/config/speculative.py) that this project knows by name.
-# Only "ngram" runs here; the others are refused at start-up as "not supported yet on this backend".
+# "ngram" and "draft_model" run in the CPU engine; the others are refused at start-up as "not
+# supported yet on this backend".
 NGRAM = "ngram"
+DRAFT_MODEL = "draft_model"
+DRAFT_MODEL_KEY = "option.speculative_draft_model"  # LMI's names for a draft model
+LENGTH_KEY = "option.speculative_length"
+DEFAULT_SPECULATIVE_LENGTH = 5  # LMI's speculative_length when only the draft model is given
 VLLM_METHODS = frozenset(
     {
         "ngram",
@@ -51,13 +60,16 @@ def json_value(text: str) -> Any:
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """One speculative-decoding setting. Invariants: ``num_speculative_tokens >= 1``; for
-    ``ngram``, ``1 <= prompt_lookup_min <= prompt_lookup_max``; ``method`` is one of vLLM's."""
+    ``ngram``, ``1 <= prompt_lookup_min <= prompt_lookup_max``; ``method`` is one of vLLM's; a
+    ``draft_model`` names its ``model`` (a path or name, fetched and checked by the engine)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
-    model: str | None = None  # the draft model (draft_model, eagle...): not run here yet
+    model: str | None = None  # the draft model (draft_model; eagle...: not run here yet)
+    # The key it was configured with, for start-up errors (LMI's draft-model keys or this one).
+    key: str = field(default=KEY, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         """The setting with vLLM's names, as it would be written in serving.properties."""
@@ -70,21 +82,6 @@ class SpeculativeConfig:
 
     def __str__(self) -> str:  # what print-config and write_properties show
         return json.dumps(self.to_json(), separators=(",", ":"))
-
-
-# LMI NeuronX's default option.speculative_length (djl-serving tnx_properties.py).
-LMI_SPECULATIVE_LENGTH = 5
-
-
-def lmi_draft_model(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """LMI's ``option.speculative_draft_model`` / ``option.speculative_length`` as vLLM's fields:
-    ``{"method": "draft_model", "model": ..., "num_speculative_tokens": speculative_length}``."""
-    length = fields.get("speculative_length")
-    return {
-        "method": "draft_model",
-        "model": str(fields["speculative_draft_model"]),
-        "num_speculative_tokens": int(length) if length not in (None, "") else LMI_SPECULATIVE_LENGTH,
-    }
 
 
 def _positive_int(fields: Mapping[str, Any], name: str) -> int | None:
@@ -115,6 +112,8 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     method = value.get("method") or ("draft_model" if model else None)
     if method not in VLLM_METHODS:
         raise ValueError(f"method {method!r} is not a speculative method; use 'ngram'")
+    if method == DRAFT_MODEL and not model:
+        raise ValueError("method 'draft_model' needs model (the draft's path or name)")
     k = _positive_int(value, "num_speculative_tokens")
     if k is None:
         raise ValueError("num_speculative_tokens is required (an integer >= 1)")
@@ -124,3 +123,12 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
     if low > high:
         raise ValueError(f"prompt_lookup_min={low} must be <= prompt_lookup_max={high}")
     return SpeculativeConfig(str(method), k, low, high, str(model) if model is not None else None)
+
+
+def lmi_draft_model(model: str, length: int | None) -> SpeculativeConfig:
+    """LMI's ``option.speculative_draft_model`` and ``option.speculative_length`` (default
+    ``DEFAULT_SPECULATIVE_LENGTH``) as the ``draft_model`` setting vLLM's JSON would give."""
+    if not model.strip():
+        raise ValueError("must name the draft model (a path or name)")
+    k = length or DEFAULT_SPECULATIVE_LENGTH
+    return SpeculativeConfig(DRAFT_MODEL, k, model=model.strip(), key=DRAFT_MODEL_KEY)

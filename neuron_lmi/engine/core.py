@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from neuron_lmi.config.options import DEFAULT_MAX_PREFILL_TOKENS
-from neuron_lmi.config.speculative import SpeculativeConfig
+from neuron_lmi.config.speculative import DRAFT_MODEL, SpeculativeConfig
 from neuron_lmi.engine.admission import Admission, AdmissionLimits, ValidRequest
 from neuron_lmi.engine.device_sampling import host_field, line_sampling
+from neuron_lmi.engine.draft_model import DraftModelProposer
 from neuron_lmi.engine.grammar import GrammarCompiler
 from neuron_lmi.engine.lora import AdapterTable
 from neuron_lmi.engine.prefix import PrefixIndex
@@ -38,7 +39,6 @@ from neuron_lmi.engine.speculation import (
     Speculator,
     check_fused_speculation,
     check_speculation,
-    verify,
     verify_tokens,
 )
 from neuron_lmi.engine.step_clock import ForwardTimer
@@ -68,8 +68,9 @@ class EngineCore:
     and prefix reuse (a finished row retains its K/V until reallocated); elsewhere whole prompts
     within ``max_prefill_tokens``. The scheduler turns the capabilities into the step's batches
     (one mixed batch, or one per kind). With ``speculative`` (``option.speculative_config``),
-    decoding rows verify n-gram drafts (``engine.speculation``); a runner that cannot verify
-    several tokens per row (``RunnerCapabilities.max_verify_tokens``) is refused here, at start-up.
+    decoding rows verify n-gram drafts, or a draft model's (``draft_runner``, built by the backend:
+    ``engine.draft_model``); a runner that cannot verify several tokens per row
+    (``RunnerCapabilities.max_verify_tokens``) is refused here, at start-up.
     A runner that drafts on the device (``fused_speculation``: NxD Inference's fused speculation)
     gets no drafts: its DECODE lines come back with several accepted tokens each
     (``SampledStep.runs``), which are applied as a verified line's are.
@@ -89,6 +90,7 @@ class EngineCore:
         prefix_reuse: bool = True,
         adapters: AdapterTable | None = None,
         speculative: SpeculativeConfig | None = None,
+        draft_runner: ModelRunner | None = None,
     ) -> None:
         self.runner = runner
         self.capabilities = capabilities = capabilities_of(runner)
@@ -127,8 +129,15 @@ class EngineCore:
                 check_fused_speculation(speculative, capabilities, type(runner).__name__)
             self.fused_counters = SpecCounters(capabilities.fused_speculation - 1)
         elif speculative is not None:
-            check_speculation(speculative, capabilities, type(runner).__name__)
-            self.speculator = Speculator(speculative, verify_tokens(capabilities), runner.n_positions)
+            check_speculation(speculative, capabilities, type(runner).__name__, draft_runner is not None)
+            proposer = None
+            if speculative.method == DRAFT_MODEL and draft_runner is not None:
+                n_rows, n_positions = runner.rows.n_rows, runner.n_positions
+                proposer = DraftModelProposer(
+                    draft_runner, runner.vocab_size, n_rows, n_positions, speculative.key
+                )
+            verifies = verify_tokens(capabilities)
+            self.speculator = Speculator(speculative, verifies, runner.n_positions, proposer)
         self.scheduler = Scheduler(
             max_prefill_tokens, prefill, prefix, runner.rows, capabilities, adapters, self.speculator
         )
@@ -252,7 +261,11 @@ class EngineCore:
                 tokens = tokens[keep] if tokens is not None else None
             out = self._sample(logits, tokens, sampled) if sampled else None
             kept = self._device_runs(runs, requests) if runs is not None else {}
-            drawn = {i: verify(span, batch.chunks[i][1:], requests[i]) for i, span in spans.items()}
+            speculator = self.speculator  # set wherever a batch has verify lines (spans)
+            drawn = {
+                i: speculator.verify(span, batch.chunks[i][1:], requests[i])  # type: ignore[union-attr]
+                for i, span in spans.items()
+            }
         except Exception as exc:  # one failed batch must not take the engine down
             if batch.kind is not BatchKind.DECODE and len(batch) > 1:
                 return [e for i, r in enumerate(requests) for e in self._run(batch.line(i), [r])]

@@ -14,7 +14,9 @@ tokens; ``Scheduler.finish`` releases a row, retaining its prefix. Two small pol
 * ``AdapterTable`` (``engine.lora``) — the runner's LoRA slots: a request with an adapter is
   admitted once its adapter has a slot (``pin``), and each batch carries its lines' slots;
 * ``Speculator`` (``engine.speculation``) — which draft tokens a decoding row verifies this step
-  (speculative decoding: the decode becomes the verify line ``[last token, d1..dk]``).
+  (speculative decoding: the decode becomes the verify line ``[last token, d1..dk]``). Its proposer
+  may run a draft model (``engine.draft_model``, on its own runner and rows); the scheduler only
+  sees the tokens, and frees a request's draft row with its row (``finish``).
 """
 
 from __future__ import annotations
@@ -333,6 +335,8 @@ class Scheduler:
         if request.lora_slot is not None and self.adapters is not None:
             self.adapters.unpin(request.lora_slot)
             request.lora_slot = None
+        if self.speculator is not None:  # a draft model's row goes with the target's
+            self.speculator.release(request)
         self.remove(request)
 
     def remove(self, request: Request) -> None:

@@ -81,3 +81,48 @@ def test_vllm_gets_the_parsed_key_when_it_serves(load, write_props) -> None:
     assert resolved.config.batching.speculative_config == SpeculativeConfig("ngram", 3, 4, 4)
     assert "speculative_config" not in resolved.vllm_options
     assert "option.speculative_config" not in resolved.ignored
+
+
+def test_lmis_draft_model_keys_are_the_same_typed_setting(load, write_props) -> None:
+    resolved = load(
+        properties=write_props("option.speculative_draft_model=/models/draft\noption.speculative_length=3\n")
+    )
+    expected = SpeculativeConfig("draft_model", 3, model="/models/draft")
+    assert resolved.config.batching.speculation == expected
+    assert resolved.config.batching.speculation.key == "option.speculative_draft_model"
+    alone = load(env={"OPTION_SPECULATIVE_DRAFT_MODEL": "org/draft"})  # LMI's default length: 5
+    assert alone.config.batching.speculation == SpeculativeConfig("draft_model", 5, model="org/draft")
+    vllm = load(env={"OPTION_SPECULATIVE_CONFIG": json.dumps({"method": "draft_model", "model": "org/draft",
+                                                               "num_speculative_tokens": 5})})  # fmt: skip
+    assert vllm.config.batching.speculation == alone.config.batching.speculation
+    assert vllm.config.batching.speculation.key == "option.speculative_config"
+    assert load().config.batching.speculation is None
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "reason"),
+    [
+        ("option.speculative_length=0", "option.speculative_length", "greater than or equal to 1"),
+        ("option.speculative_length=4", "option.speculative_length", "needs option.speculative_draft_model"),
+        (
+            f"option.speculative_draft_model=/d\noption.speculative_config={NGRAM}",
+            "option.speculative_draft_model",
+            "option.speculative_config is set too",
+        ),
+        (
+            'option.speculative_config={"method": "draft_model", "num_speculative_tokens": 2}',
+            "option.speculative_config",
+            "method 'draft_model' needs model",
+        ),
+        (
+            'option.speculative_config={"method": "draft_model", "model": "/d", "num_speculative_tokens": 0}',
+            "option.speculative_config",
+            "num_speculative_tokens must be an integer >= 1, got 0",
+        ),
+    ],
+)
+def test_bad_draft_model_settings_name_the_key(load, write_props, text: str, key: str, reason: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load(properties=write_props(text + "\n"))
+    assert err.value.key == key
+    assert reason in err.value.reason

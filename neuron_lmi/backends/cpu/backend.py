@@ -190,6 +190,7 @@ class CpuBackend:
 
         path = fetch(request.resolved, request.env)
         options = cpu.CpuEngineOptions.from_resolved(request.resolved, path, request.tp_degree)
+        options = options.with_draft_fetched(request.resolved.config.model.model_loading_timeout, request.env)
         return cpu.cpu_process_engine(options, model_name=model_name(request.resolved))
 
 

@@ -26,6 +26,7 @@ from neuron_lmi.backends.backend import load_runner
 from neuron_lmi.backends.common import cache_for, eos_ids_for, fetch
 from neuron_lmi.backends.cpu.backend import CPU_BACKEND
 from neuron_lmi.backends.cpu.lora import adapter_table
+from neuron_lmi.backends.cpu.runner import CpuRunner
 from neuron_lmi.backends.lora import LoraSettings, resolve_lora
 from neuron_lmi.config.dtypes import DTYPES, canonical_dtype
 from neuron_lmi.config.options import (
@@ -33,14 +34,16 @@ from neuron_lmi.config.options import (
     default_n_positions,
     default_n_positions_source,
 )
-from neuron_lmi.config.speculative import SpeculativeConfig
+from neuron_lmi.config.speculative import DRAFT_MODEL, SpeculativeConfig
 from neuron_lmi.engine.async_engine import AsyncEngine
 from neuron_lmi.engine.core import EngineCore
 from neuron_lmi.engine.process_front import DEFAULT_MAX_RESTARTS, ProcessEngine
+from neuron_lmi.model_source import fetch_model, model_cache_dir
 from neuron_lmi.models import build_model
 from neuron_lmi.models.loader import load_checkpoint, load_tokenizer, resolve_model_path
 from neuron_lmi.models.native import host_cpu_flags
 from neuron_lmi.models.ops import build_in_background
+from neuron_lmi.models.packed import pack_model
 from neuron_lmi.models.quantize import quantize_model
 from neuron_lmi.parallel.tp_model import apply_tensor_parallel
 
@@ -111,7 +114,9 @@ class CpuEngineOptions:
     # Engine processes started after one dies (ProcessEngine); 0 with SERVING_FAIL_FAST, where the
     # server exits instead and SageMaker or Kubernetes replaces it.
     max_restarts: int
-    # option.speculative_config: n-gram drafts verified per row (docs/speculative-decoding.md)
+    # option.speculative_config (or LMI's option.speculative_draft_model/speculative_length): n-gram
+    # or a draft model's drafts verified per row (docs/speculative-decoding.md); a draft model's
+    # path is fetched like the model's (from_config).
     speculative_config: SpeculativeConfig | None
     # option.enable_lora and its kin, the start-up adapters fetched (backends.lora); None: off.
     lora: LoraSettings | None
@@ -144,7 +149,7 @@ class CpuEngineOptions:
             pack_weights=True,
             compile_graphs=not cfg.model.enforce_eager,
             max_restarts=0 if cfg.server.fail_fast else DEFAULT_MAX_RESTARTS,
-            speculative_config=cfg.batching.speculative_config,
+            speculative_config=cfg.batching.speculation,
             lora=resolve_lora(resolved, Path(model_path)),
         )
 
@@ -155,7 +160,21 @@ class CpuEngineOptions:
         ``tensor_parallel_degree=max`` as one rank (``dispatch.resolve_tp_degree`` on the CPU)."""
         env = os.environ if env is None else env
         degree = resolved.config.parallel.tensor_parallel_degree
-        return cls.from_resolved(resolved, fetch(resolved, env), 1 if degree == "max" else int(degree))
+        options = cls.from_resolved(resolved, fetch(resolved, env), 1 if degree == "max" else int(degree))
+        return options.with_draft_fetched(resolved.config.model.model_loading_timeout, env)
+
+    def with_draft_fetched(self, timeout: float, env: Mapping[str, str]) -> CpuEngineOptions:
+        """These options with a draft model (``draft_model`` speculation) fetched as the model is
+        (built-in, local, ``s3://``, Hub) and named by its local path; a start-up error naming the
+        key where it cannot be."""
+        spec = self.speculative_config
+        if spec is None or spec.method != DRAFT_MODEL or spec.model is None:
+            return self
+        try:
+            draft = fetch_model(spec.model, model_cache_dir(env), timeout, env)
+        except Exception as exc:  # whatever the source raised, the key is what the user can change
+            raise ValueError(f"{spec.key}: draft model {spec.model!r} cannot be read: {exc}") from exc
+        return replace(self, speculative_config=replace(spec, model=str(draft)))
 
     def dtype_name(self) -> str:
         """``dtype`` with ``auto`` resolved for this host; the name the compile cache keys on."""
@@ -213,8 +232,47 @@ def build_cpu_engine_core(
         options.max_prefill_tokens,
         adapters=adapters,
         speculative=options.speculative_config,
+        draft_runner=draft_runner(options, n_positions, tokenizer),
     )
     return core, ckpt.config
+
+
+def draft_runner(options: CpuEngineOptions, n_positions: int, tokenizer: Any) -> CpuRunner | None:
+    """The draft model's runner for ``draft_model`` speculation (None otherwise): built as the
+    model is (dtype, quantization), eager, with as many rows and positions as the target's cache.
+    A draft that cannot be read, or whose tokenizer differs from the target's (its ids would mean
+    other tokens), is a start-up error naming the key."""
+    spec = options.speculative_config
+    if spec is None or spec.method != DRAFT_MODEL or spec.model is None:
+        return None
+    try:
+        path = resolve_model_path(spec.model)
+        draft_options = replace(options, model=str(path), n_positions=n_positions, tensor_parallel_degree=1)
+        ckpt, model, _ = load_cpu_model(draft_options, path)
+        draft_tokenizer = load_tokenizer(ckpt)
+    except Exception as exc:
+        raise ValueError(f"{spec.key}: draft model {spec.model!r} cannot be loaded: {exc}") from exc
+    mismatch = tokenizer_mismatch(tokenizer, draft_tokenizer)
+    if mismatch is not None:
+        raise ValueError(f"{spec.key}: draft model {spec.model!r} has another tokenizer: {mismatch}")
+    runner = CpuRunner(model, options.max_rolling_batch_size, n_positions)
+    if options.pack_weights:
+        pack_model(model)
+    log.info("draft model: %s (%s), eager, KV cache %.1f MiB", ckpt.source, ckpt.config.architectures[0],
+             runner.cache.nbytes() / 2**20)  # fmt: skip
+    return runner
+
+
+def tokenizer_mismatch(target: Any, draft: Any) -> str | None:
+    """How the draft's tokenizer differs from the target's (vocabulary, special ids), or None."""
+    ours, theirs = target.get_vocab(), draft.get_vocab()
+    if ours != theirs:
+        differ = sorted((set(ours.items()) ^ set(theirs.items())), key=lambda kv: kv[1])[:3]
+        return f"vocabularies of {len(ours)} and {len(theirs)} tokens differ (e.g. {differ})"
+    for name in ("bos_token_id", "eos_token_id"):
+        if getattr(target, name, None) != getattr(draft, name, None):
+            return f"{name} {getattr(target, name, None)} against {getattr(draft, name, None)}"
+    return None
 
 
 def cpu_engine_core(options: CpuEngineOptions) -> EngineCore:

@@ -401,7 +401,7 @@ def plan_nxdi(
     )
     check_overrides(config.neuron.override_neuron_config)
     speculation = plan_speculation(
-        config.batching.speculative_config,
+        config.batching.speculation,
         kwargs,
         model_config,
         lambda draft_type: applications.get(draft_type) == application,
