@@ -408,7 +408,7 @@ def test_the_step_graphs_last_layer_runs_for_the_logits_tokens_only(tiny_llama_d
     seen: list[int] = []
     final = model.layers[-1]
     real_mlp = final.mlp
-    final.mlp = lambda x: (seen.append(x.shape[0]), real_mlp(x))[1]
+    final.mlp = lambda x, lora=None: (seen.append(x.shape[0]), real_mlp(x, lora))[1]
     try:
         got = graph(tokens, rows, positions, last, key_pos, k_step, v_step)
     finally:
