@@ -6,7 +6,8 @@
 // took about 30 us on a 2-core Zen host, times slots x projections x layers per step. So the update
 // is written out here: the slot's lines widened to fp32 once, u = x a^T as dot products over the
 // input (a's rows widened one at a time), then u b as a sum of b's rows scaled by u, along the
-// output, added into y in fp32 and rounded once. Threads split a's rows, then the output columns.
+// output, added into y in fp32 and rounded once. Threads split the slots' rank rows, then the output
+// columns, in one parallel region each per call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -38,40 +40,54 @@ inline float lora_dot(const float* p, const float* q, int64_t n) {
   return sum;
 }
 
-// One slot's update: ``members`` lines of ``per_line`` tokens each, into ``out`` (contiguous
-// [lines, per_line, d_out], already holding y). ``a`` [room, d_in], ``b`` [room, d_out] (B^T, so the
-// second product is a sum of scaled rows, vectorised along the output, with no reduction per column).
+// The slots' updates into ``out`` (contiguous [lines, per_line, d_out], already holding y): for each
+// group (a slot and its lines, of ``per_line`` tokens each), ``a`` [room, d_in] and ``b`` [room,
+// d_out] (B^T, so the second product is a sum of scaled rows along the output, with no reduction
+// per column). Two parallel regions per call, whatever the slots: (group, rank row) pairs, then
+// blocks of output columns for every group (a region per slot cost more in start-up than it saved).
 template <typename T>
-void lora_add_slot(const T* x, T* out, const std::vector<int64_t>& members, int64_t per_line, const T* a,
-                   const T* b, int64_t room, int64_t d_in, int64_t d_out) {
-  const int64_t m = static_cast<int64_t>(members.size()) * per_line;
-  std::vector<float> xf(static_cast<size_t>(m * d_in));
-  std::vector<float> u(static_cast<size_t>(m * room));
-  for (size_t j = 0; j < members.size(); ++j) {
-    lora_widen(x + members[j] * per_line * d_in, xf.data() + j * per_line * d_in, per_line * d_in);
+void lora_add_groups(const T* x, T* out, const std::vector<std::pair<int64_t, std::vector<int64_t>>>& groups,
+                     int64_t per_line, const T* a, const T* b, int64_t room, int64_t d_in, int64_t d_out) {
+  const int64_t n_groups = static_cast<int64_t>(groups.size());
+  std::vector<std::vector<float>> xf(groups.size()), u(groups.size());
+  for (int64_t g = 0; g < n_groups; ++g) {
+    const auto& members = groups[g].second;
+    const int64_t m = static_cast<int64_t>(members.size()) * per_line;
+    xf[g].resize(static_cast<size_t>(m * d_in));
+    u[g].resize(static_cast<size_t>(m * room));
+    for (size_t j = 0; j < members.size(); ++j) {
+      lora_widen(x + members[j] * per_line * d_in, xf[g].data() + j * per_line * d_in, per_line * d_in);
+    }
   }
-  at::parallel_for(0, room, 8, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, n_groups * room, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> row(static_cast<size_t>(d_in));
-    for (int64_t r = r0; r < r1; ++r) {
-      lora_widen(a + r * d_in, row.data(), d_in);
-      for (int64_t i = 0; i < m; ++i) u[i * room + r] = lora_dot(xf.data() + i * d_in, row.data(), d_in);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / room, r = item % room;
+      const int64_t m = static_cast<int64_t>(groups[g].second.size()) * per_line;
+      lora_widen(a + (groups[g].first * room + r) * d_in, row.data(), d_in);
+      for (int64_t i = 0; i < m; ++i) u[g][i * room + r] = lora_dot(xf[g].data() + i * d_in, row.data(), d_in);
     }
   });
   at::parallel_for(0, d_out, 256, [&](int64_t o0, int64_t o1) {
     const int64_t w = o1 - o0;
-    std::vector<float> block(static_cast<size_t>(room * w));  // b's columns o0..o1, widened once
-    for (int64_t r = 0; r < room; ++r) lora_widen(b + r * d_out + o0, block.data() + r * w, w);
+    std::vector<float> block(static_cast<size_t>(room * w));  // a slot's b columns o0..o1, widened once
     std::vector<float> acc(static_cast<size_t>(w));
-    for (int64_t i = 0; i < m; ++i) {
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t r = 0; r < room; ++r) {
-        const float c = u[i * room + r];
-        const float* src = block.data() + r * w;
+    for (int64_t g = 0; g < n_groups; ++g) {
+      const T* bs = b + groups[g].first * room * d_out;
+      for (int64_t r = 0; r < room; ++r) lora_widen(bs + r * d_out + o0, block.data() + r * w, w);
+      const auto& members = groups[g].second;
+      const int64_t m = static_cast<int64_t>(members.size()) * per_line;
+      for (int64_t i = 0; i < m; ++i) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t r = 0; r < room; ++r) {
+          const float c = u[g][i * room + r];
+          const float* src = block.data() + r * w;
 #pragma omp simd
-        for (int64_t j = 0; j < w; ++j) acc[j] += c * src[j];
+          for (int64_t j = 0; j < w; ++j) acc[j] += c * src[j];
+        }
+        T* dst = out + (members[i / per_line] * per_line + i % per_line) * d_out + o0;
+        for (int64_t j = 0; j < w; ++j) dst[j] = static_cast<T>(static_cast<float>(dst[j]) + acc[j]);
       }
-      T* dst = out + (members[i / per_line] * per_line + i % per_line) * d_out + o0;
-      for (int64_t j = 0; j < w; ++j) dst[j] = static_cast<T>(static_cast<float>(dst[j]) + acc[j]);
     }
   });
 }
@@ -102,21 +118,20 @@ at::Tensor lora_delta(const at::Tensor& y, const at::Tensor& x, const at::Tensor
     by_slot[sp[l]].push_back(l);
   }
   const at::Tensor ac = a.contiguous(), bc = b.contiguous();
-  for (const auto& [slot, members] : by_slot) {
+  if (by_slot.empty()) return out;
+  if (y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16) {
+    const std::vector<std::pair<int64_t, std::vector<int64_t>>> groups(by_slot.begin(), by_slot.end());
     if (y.scalar_type() == at::kFloat) {
-      lora_add_slot<float>(x3.data_ptr<float>(), out.data_ptr<float>(), members, per_line,
-                           ac.data_ptr<float>() + slot * room * d_in, bc.data_ptr<float>() + slot * d_out * room,
-                           room, d_in, d_out);
-      continue;
-    }
-    if (y.scalar_type() == at::kBFloat16) {
+      lora_add_groups<float>(x3.data_ptr<float>(), out.data_ptr<float>(), groups, per_line, ac.data_ptr<float>(),
+                             bc.data_ptr<float>(), room, d_in, d_out);
+    } else {
       using bf16 = c10::BFloat16;
-      lora_add_slot<bf16>(x3.data_ptr<bf16>(), out.data_ptr<bf16>(), members, per_line,
-                          ac.data_ptr<bf16>() + slot * room * d_in, bc.data_ptr<bf16>() + slot * d_out * room,
-                          room, d_in, d_out);
-      continue;
+      lora_add_groups<bf16>(x3.data_ptr<bf16>(), out.data_ptr<bf16>(), groups, per_line, ac.data_ptr<bf16>(),
+                            bc.data_ptr<bf16>(), room, d_in, d_out);
     }
-    // Other dtypes: the same update through ATen.
+    return out;
+  }
+  for (const auto& [slot, members] : by_slot) {  // other dtypes: the same update through ATen
     const at::Tensor index = at::tensor(members, at::TensorOptions().dtype(at::kLong));
     const int64_t n = static_cast<int64_t>(members.size());
     const at::Tensor xs = x3.index_select(0, index).reshape({n * per_line, d_in});
