@@ -103,6 +103,8 @@ at::Tensor lora_delta(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   TORCH_CHECK(x.scalar_type() == y.scalar_type() && a.scalar_type() == y.scalar_type() &&
                   b.scalar_type() == y.scalar_type(),
               "lora_delta: y, x, a and b must share one dtype");
+  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16,
+              "lora_delta: fp32 or bf16 (the CPU engine's dtypes)");
   at::Tensor out = y.contiguous().clone();
   const int64_t lines = x.size(0);
   if (lines == 0) return out;
@@ -117,26 +119,16 @@ at::Tensor lora_delta(const at::Tensor& y, const at::Tensor& x, const at::Tensor
     TORCH_CHECK(sp[l] < a.size(0), "lora_delta: line ", l, " names slot ", sp[l], " of ", a.size(0));
     by_slot[sp[l]].push_back(l);
   }
-  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
   if (by_slot.empty()) return out;
-  if (y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16) {
-    const std::vector<std::pair<int64_t, std::vector<int64_t>>> groups(by_slot.begin(), by_slot.end());
-    if (y.scalar_type() == at::kFloat) {
-      lora_add_groups<float>(x3.data_ptr<float>(), out.data_ptr<float>(), groups, per_line, ac.data_ptr<float>(),
-                             bc.data_ptr<float>(), room, d_in, d_out);
-    } else {
-      using bf16 = c10::BFloat16;
-      lora_add_groups<bf16>(x3.data_ptr<bf16>(), out.data_ptr<bf16>(), groups, per_line, ac.data_ptr<bf16>(),
-                            bc.data_ptr<bf16>(), room, d_in, d_out);
-    }
-    return out;
-  }
-  for (const auto& [slot, members] : by_slot) {  // other dtypes: the same update through ATen
-    const at::Tensor index = at::tensor(members, at::TensorOptions().dtype(at::kLong));
-    const int64_t n = static_cast<int64_t>(members.size());
-    const at::Tensor xs = x3.index_select(0, index).reshape({n * per_line, d_in});
-    const at::Tensor delta = at::mm(at::mm(xs, ac[slot].t()), bc[slot]).view({n, per_line, d_out});
-    out.view({lines, per_line, d_out}).index_add_(0, index, delta);
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  const std::vector<std::pair<int64_t, std::vector<int64_t>>> groups(by_slot.begin(), by_slot.end());
+  if (y.scalar_type() == at::kFloat) {
+    lora_add_groups<float>(x3.data_ptr<float>(), out.data_ptr<float>(), groups, per_line, ac.data_ptr<float>(),
+                           bc.data_ptr<float>(), room, d_in, d_out);
+  } else {
+    using bf16 = c10::BFloat16;
+    lora_add_groups<bf16>(x3.data_ptr<bf16>(), out.data_ptr<bf16>(), groups, per_line, ac.data_ptr<bf16>(),
+                          bc.data_ptr<bf16>(), room, d_in, d_out);
   }
   return out;
 }
