@@ -20,6 +20,8 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <optional>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -474,6 +476,47 @@ constexpr bool chunk_path_for() {
 #endif
 }
 
+// Where the CPU has AMX tiles for bf16, ATen's scaled_dot_product_attention multiplies a prompt
+// chunk's query and key blocks with oneDNN's AMX micro-kernels: about twice the speed of the
+// AVX512-BF16 chunk path above from a few dozen tokens on (docs/measurements.md). A run of at least
+// kMatrixChunkTokens tokens takes it there, as one call with its causal (and windowed) mask; shorter
+// runs and lone queries stay on this file's kernels. fp32 stays here: the chunk path above is the
+// faster of the two in fp32 on those hosts too.
+constexpr int64_t kMatrixChunkTokens = 32;
+
+template <typename T>
+constexpr bool matrix_chunks_for() {
+#if defined(__AMX_BF16__)
+  return std::is_same<T, c10::BFloat16>::value;
+#else
+  return false;
+#endif
+}
+
+// One run of consecutive tokens of one row (queries r .. r + n - 1) through ATen's attention,
+// written into out's rows r .. r + n - 1. q [n, H, 1, D]; k, v [R, KVH, L, D].
+void attend_chunk_matrix(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t r, int64_t n,
+                         int64_t row, int64_t start, double scale, int64_t window, at::Tensor& out) {
+  const int64_t last = start + n - 1;
+  const int64_t first = window > 0 ? std::max<int64_t>(0, start - window + 1) : 0;
+  const int64_t keys = last - first + 1;
+  const at::Tensor query = q.narrow(0, r, n).select(2, 0).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
+  const at::Tensor key = k.select(0, row).narrow(1, first, keys).unsqueeze(0);           // [1, KVH, keys, D]
+  const at::Tensor value = v.select(0, row).narrow(1, first, keys).unsqueeze(0);
+  std::optional<at::Tensor> visible;  // none: the chunk is the row's first tokens, plain causal attention
+  if (start > 0 || window > 0) {
+    const auto long_options = at::TensorOptions().dtype(at::kLong);
+    const at::Tensor key_pos = at::arange(first, last + 1, long_options).unsqueeze(0);
+    const at::Tensor query_pos = at::arange(start, last + 1, long_options).unsqueeze(1);
+    at::Tensor mask = key_pos <= query_pos;
+    if (window > 0) mask = mask & (key_pos > query_pos - window);
+    visible = mask.view({1, 1, n, keys});
+  }
+  const at::Tensor attended = at::scaled_dot_product_attention(query, key, value, visible, 0.0, !visible.has_value(),
+                                                               scale, /*enable_gqa=*/true);
+  out.narrow(0, r, n).select(2, 0).copy_(attended.squeeze(0).transpose(0, 1));
+}
+
 template <typename T, int kChunks>
 void attend_chunk_avx512(const ChunkItem<T>& it, int64_t groups, float scale, int64_t window, float* scratch) {
   constexpr int kDim = kChunks * 16;
@@ -697,13 +740,23 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     if constexpr (chunk_path_for<T>()) chunked = dim == 64 || dim == 128;
 #endif
     const int64_t per_item = chunk_tokens_per_item(groups);
+    std::vector<std::pair<int64_t, int64_t>> matrix_runs;  // (first query, tokens): attend_chunk_matrix
     for (int64_t r = 0; r < queries;) {
-      int64_t n = 1;
-      if (chunked)
-        while (r + n < queries && n < per_item && row_p[r + n] == row_p[r] && pos_p[r + n] == pos_p[r] + n) ++n;
-      for (int64_t h = 0; h < kv_heads; ++h) units.push_back({r, n, h});
-      r += n;
+      int64_t run = 1;  // the consecutive tokens of row_p[r] from here
+      while (r + run < queries && row_p[r + run] == row_p[r] && pos_p[r + run] == pos_p[r] + run) ++run;
+      if (matrix_chunks_for<T>() && run >= kMatrixChunkTokens) {
+        matrix_runs.emplace_back(r, run);
+        r += run;
+        continue;
+      }
+      for (const int64_t end = r + run; r < end;) {
+        const int64_t n = chunked ? std::min(per_item, end - r) : 1;
+        for (int64_t h = 0; h < kv_heads; ++h) units.push_back({r, n, h});
+        r += n;
+      }
     }
+    for (const auto& [r, n] : matrix_runs)
+      attend_chunk_matrix(qc, kc, vc, r, n, row_p[r], pos_p[r], scale, window, out);
     const int64_t items = static_cast<int64_t>(units.size());
     // Units differ in cost: each thread gets a run of units of about equal cost (keys read per
     // lone query, a third of that per chunk token, plus a fixed part), not an equal count, so no

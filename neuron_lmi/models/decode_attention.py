@@ -19,8 +19,11 @@ attend up to their own position, which is causal attention over the chunk (``gra
 With AVX-512 (and AVX512-BF16 for bf16), a run of such tokens at consecutive positions is taken as a
 block: each block of keys is read once for all its tokens' query heads and the softmax is taken
 online, flash-style, so a long chunk costs about what SDPA's matrix products would, not a read of
-its row per token (docs/benchmarks.md). Output ``[n, H, 1, D]`` in ``q``'s dtype. The sums run in
-another order than SDPA's: results differ in the last bits (greedy ids: ``tests/backends/cpu``).
+its row per token (docs/benchmarks.md). Where the build has AMX for bf16 (Intel Sapphire Rapids
+and later), bf16 runs of 32 tokens or more go to ATen's ``scaled_dot_product_attention`` instead,
+whose blocks run on oneDNN's AMX micro-kernels: twice the hand-written path's speed there
+(docs/measurements.md). Output ``[n, H, 1, D]`` in ``q``'s dtype. The sums run in another order
+than SDPA's: results differ in the last bits (greedy ids: ``tests/backends/cpu``).
 """
 
 from __future__ import annotations

@@ -100,8 +100,18 @@ def test_the_tokens_of_a_chunk_attend_causally_as_sdpa_over_the_chunk(window: in
 # (row, first position, tokens) runs of a step's queries, in order: decodes (one token) and prompt
 # chunks (consecutive positions of one row), which the kernel takes a block of keys at a time for a
 # block of queries. 130 tokens pass one work item's share (96 query lanes); row 1's two runs leave a
-# gap in positions, so they are two chunks.
-STEP_RUNS = [(0, 50, 1), (1, 100, 70), (2, 0, 2), (3, 7, 1), (0, 120, 130), (1, 200, 3), (1, 180, 5)]
+# gap in positions, so they are two chunks. On a host with AMX for bf16, runs of 32 tokens or more
+# take ATen's attention instead: row 3's 40 tokens from position 0 unmasked (causal), the others masked.
+STEP_RUNS = [
+    (0, 50, 1),
+    (1, 100, 70),
+    (2, 0, 2),
+    (3, 7, 1),
+    (0, 120, 130),
+    (1, 200, 3),
+    (1, 180, 5),
+    (3, 0, 40),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
