@@ -476,47 +476,6 @@ constexpr bool chunk_path_for() {
 #endif
 }
 
-// Where the CPU has AMX tiles for bf16, ATen's scaled_dot_product_attention multiplies a prompt
-// chunk's query and key blocks with oneDNN's AMX micro-kernels: about twice the speed of the
-// AVX512-BF16 chunk path above from a few dozen tokens on (docs/measurements.md). A run of at least
-// kMatrixChunkTokens tokens takes it there, as one call with its causal (and windowed) mask; shorter
-// runs and lone queries stay on this file's kernels. fp32 stays here: the chunk path above is the
-// faster of the two in fp32 on those hosts too.
-constexpr int64_t kMatrixChunkTokens = 32;
-
-template <typename T>
-constexpr bool matrix_chunks_for() {
-#if defined(__AMX_BF16__)
-  return std::is_same<T, c10::BFloat16>::value;
-#else
-  return false;
-#endif
-}
-
-// One run of consecutive tokens of one row (queries r .. r + n - 1) through ATen's attention,
-// written into out's rows r .. r + n - 1. q [n, H, 1, D]; k, v [R, KVH, L, D].
-void attend_chunk_matrix(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t r, int64_t n,
-                         int64_t row, int64_t start, double scale, int64_t window, at::Tensor& out) {
-  const int64_t last = start + n - 1;
-  const int64_t first = window > 0 ? std::max<int64_t>(0, start - window + 1) : 0;
-  const int64_t keys = last - first + 1;
-  const at::Tensor query = q.narrow(0, r, n).select(2, 0).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
-  const at::Tensor key = k.select(0, row).narrow(1, first, keys).unsqueeze(0);           // [1, KVH, keys, D]
-  const at::Tensor value = v.select(0, row).narrow(1, first, keys).unsqueeze(0);
-  std::optional<at::Tensor> visible;  // none: the chunk is the row's first tokens, plain causal attention
-  if (start > 0 || window > 0) {
-    const auto long_options = at::TensorOptions().dtype(at::kLong);
-    const at::Tensor key_pos = at::arange(first, last + 1, long_options).unsqueeze(0);
-    const at::Tensor query_pos = at::arange(start, last + 1, long_options).unsqueeze(1);
-    at::Tensor mask = key_pos <= query_pos;
-    if (window > 0) mask = mask & (key_pos > query_pos - window);
-    visible = mask.view({1, 1, n, keys});
-  }
-  const at::Tensor attended = at::scaled_dot_product_attention(query, key, value, visible, 0.0, !visible.has_value(),
-                                                               scale, /*enable_gqa=*/true);
-  out.narrow(0, r, n).select(2, 0).copy_(attended.squeeze(0).transpose(0, 1));
-}
-
 template <typename T, int kChunks>
 void attend_chunk_avx512(const ChunkItem<T>& it, int64_t groups, float scale, int64_t window, float* scratch) {
   constexpr int kDim = kChunks * 16;
@@ -682,6 +641,47 @@ void attend_chunk_avx512(const ChunkItem<T>& it, int64_t groups, float scale, in
   }
 }
 #endif
+
+// Where the CPU has AMX tiles for bf16, ATen's scaled_dot_product_attention multiplies a prompt
+// chunk's query and key blocks with oneDNN's AMX micro-kernels: about twice the speed of the
+// AVX512-BF16 chunk path above from a few dozen tokens on (docs/measurements.md). A run of at least
+// kMatrixChunkTokens tokens takes it there, as one call with its causal (and windowed) mask; shorter
+// runs and lone queries stay on this file's kernels. fp32 stays here: the chunk path above is the
+// faster of the two in fp32 on those hosts too.
+constexpr int64_t kMatrixChunkTokens = 32;
+
+template <typename T>
+constexpr bool matrix_chunks_for() {
+#if defined(__AMX_BF16__)
+  return std::is_same<T, c10::BFloat16>::value;
+#else
+  return false;
+#endif
+}
+
+// One run of consecutive tokens of one row (queries r .. r + n - 1) through ATen's attention,
+// written into out's rows r .. r + n - 1. q [n, H, 1, D]; k, v [R, KVH, L, D].
+void attend_chunk_matrix(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t r, int64_t n,
+                         int64_t row, int64_t start, double scale, int64_t window, at::Tensor& out) {
+  const int64_t last = start + n - 1;
+  const int64_t first = window > 0 ? std::max<int64_t>(0, start - window + 1) : 0;
+  const int64_t keys = last - first + 1;
+  const at::Tensor query = q.narrow(0, r, n).select(2, 0).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
+  const at::Tensor key = k.select(0, row).narrow(1, first, keys).unsqueeze(0);           // [1, KVH, keys, D]
+  const at::Tensor value = v.select(0, row).narrow(1, first, keys).unsqueeze(0);
+  std::optional<at::Tensor> visible;  // none: the chunk is the row's first tokens, plain causal attention
+  if (start > 0 || window > 0) {
+    const auto long_options = at::TensorOptions().dtype(at::kLong);
+    const at::Tensor key_pos = at::arange(first, last + 1, long_options).unsqueeze(0);
+    const at::Tensor query_pos = at::arange(start, last + 1, long_options).unsqueeze(1);
+    at::Tensor mask = key_pos <= query_pos;
+    if (window > 0) mask = mask & (key_pos > query_pos - window);
+    visible = mask.view({1, 1, n, keys});
+  }
+  const at::Tensor attended = at::scaled_dot_product_attention(query, key, value, visible, 0.0, !visible.has_value(),
+                                                               scale, /*enable_gqa=*/true);
+  out.narrow(0, r, n).select(2, 0).copy_(attended.squeeze(0).transpose(0, 1));
+}
 
 template <typename T>
 void attend(const Item<T>& it, int64_t groups, int64_t dim, float scale, float* scratch) {

@@ -1,7 +1,7 @@
 """The native kernels' sources compile for every x86 instruction set the kernels branch on: AVX2
-only, AVX-512 without BF16, and AVX-512 with BF16. The build targets the host (``-march=native``),
-so a branch this host does not take is otherwise never compiled here; a host whose build fails runs
-the slow Python kernels instead (``ops.kernels``)."""
+only, AVX-512 without BF16, AVX-512 with BF16, and AMX (Sapphire Rapids). The build targets the host
+(``-march=native``), so a branch this host does not take is otherwise never compiled here; a host
+whose build fails runs the slow Python kernels instead (``ops.kernels``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("arch", ["x86-64-v3", "skylake-avx512", "cooperlake"])
+@pytest.mark.parametrize("arch", ["x86-64-v3", "skylake-avx512", "cooperlake", "sapphirerapids"])
 def test_the_sources_compile_for_each_instruction_set(arch: str) -> None:
     includes = [f"-I{path}" for path in include_paths()]
     # The unit the build compiles: every source, in the one translation unit they share.
