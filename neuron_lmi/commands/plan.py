@@ -18,17 +18,17 @@ from typing import Any
 
 from neuron_lmi.backends.nxdi.backend import nxdi_target
 from neuron_lmi.backends.nxdi.support import check_release, library_release
-from neuron_lmi.commands.nxdi_target import nxdi_version
-from neuron_lmi.config.options import NEURON_PLATFORMS
-from neuron_lmi.parallel.catalog import GIB, INSTANCES, PRESETS, ModelSpec, get_instance, load_model_spec
-from neuron_lmi.parallel.planner import (
+from neuron_lmi.backends.tnx.planner import (
     DEFAULT_HEADROOM,
     DTYPE_BYTES,
     InstancePlan,
     plan_all_instances,
     plan_instance,
 )
-from neuron_lmi.parallel.tnx_rules import GQAStrategy
+from neuron_lmi.commands.nxdi_target import nxdi_version
+from neuron_lmi.config.options import NEURON_PLATFORMS
+from neuron_lmi.parallel.catalog import GIB, INSTANCES, PRESETS, ModelSpec, get_instance, load_model_spec
+from neuron_lmi.parallel.head_layout import GQAStrategy
 
 MIB = 1024**2
 

@@ -1,11 +1,13 @@
-"""Tensor-parallel planning: GQA sharding plans (``gqa``) and per-instance capacity plans (``planner``).
+"""Tensor parallelism: the GQA head layouts (``head_layout``), the sharding plans built on them
+(``gqa``), and the CPU engine's tensor-parallel transform (``tp_model``, ``tp_mlp``).
 
-Pure arithmetic, no torch and no Neuron imports: the CPU tensor-parallel transform, the Neuron
-backend and ``neuron-lmi plan`` all read the same frozen plans.
+The plans are pure arithmetic, with no torch and no Neuron import: the CPU transform executes them,
+and transformers-neuronx's backend (its continuous-batching rule and the NeuronCore planner, in
+``backends/tnx``) sizes them for ``neuron-lmi plan``.
 """
 
 from neuron_lmi.parallel.gqa import RankShard, ShardingPlan, build_sharding_plan
-from neuron_lmi.parallel.tnx_rules import DUMMY, GQAStrategy, qkv_padding, resolve_strategy
+from neuron_lmi.parallel.head_layout import DUMMY, GQAStrategy, qkv_padding, resolve_strategy
 
 __all__ = [
     "DUMMY",

@@ -4,8 +4,10 @@
 the strategy fallbacks of ``decoder.py`` ``check_gqa_fallback``, the head counts of ``utils.py``
 ``get_qkv_padding`` and the weight layout of ``DecoderLayer.to_neuron`` (end or per-group "interleaved"
 zero padding of query heads, ``repeat_interleave`` replication of KV heads, then a contiguous split
-over ranks).  The result is a frozen, executable description: a CPU runner can split weights by it
-and must get the same outputs as tp=1.
+over ranks), from the layouts of ``head_layout``.  ``lay_out_plan`` takes a strategy already chosen,
+for a backend with a rule of its own (transformers-neuronx's continuous batching,
+``backends/tnx/gqa.py``).  The result is a frozen, executable description: a CPU runner can split
+weights by it and must get the same outputs as tp=1.
 
 Global layout, then a contiguous split (Llama-2-70B, 64 query / 8 KV heads, tp=24, replicated)::
 
@@ -29,17 +31,19 @@ import logging
 import math
 from dataclasses import dataclass
 
-from neuron_lmi.parallel.tnx_rules import (
-    DUMMY,
-    GQAStrategy,
-    continuous_batching_strategy,
-    layouts,
-    resolve_strategy,
-)
+from neuron_lmi.parallel.head_layout import DUMMY, GQAStrategy, layouts, resolve_strategy
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DUMMY", "GQAStrategy", "RankShard", "ShardingPlan", "build_sharding_plan"]
+__all__ = [
+    "DUMMY",
+    "GQAStrategy",
+    "PlanGeometry",
+    "RankShard",
+    "ShardingPlan",
+    "build_sharding_plan",
+    "lay_out_plan",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,35 +162,60 @@ def build_sharding_plan(
     n_positions: int = 1,
     dtype_bytes: int = 2,
     log_fallback: bool = True,
-    continuous_batching: bool = False,
 ) -> ShardingPlan:
     """Plan how ``tp_degree`` ranks share the attention heads and KV cache.
 
     ``strategy=None`` is the library default (shard-over-heads, or plain MHA when query and KV head
-    counts are equal).  ``n_layers``, ``n_positions`` and ``dtype_bytes`` only size
-    ``RankShard.kv_cache_bytes_per_row`` (defaults give bytes per token per layer at 16 bit).
-    A fallback is logged as a warning, as the library warns (``log_fallback=False`` for callers that
-    explore many plans and report ``fallback_reason`` themselves). ``continuous_batching=True`` plans
-    what transformers-neuronx runs under continuous batching: its context decoders are built with
-    batch 1, so shard-over-batch is replaced at any tp > 1 whatever ``batch_size`` is.
+    counts are equal); a strategy the geometry does not admit falls back (``resolve_strategy``).
+    ``n_layers``, ``n_positions`` and ``dtype_bytes`` only size ``RankShard.kv_cache_bytes_per_row``
+    (defaults give bytes per token per layer at 16 bit). A fallback is logged as a warning, as the
+    library warns (``log_fallback=False`` for callers that explore many plans and report
+    ``fallback_reason`` themselves).
     """
     requested = GQAStrategy.parse(strategy)
-    _validate_geometry(n_query_heads, n_kv_heads, head_dim, tp_degree, batch_size)
-    for name, value in (("n_layers", n_layers), ("n_positions", n_positions), ("dtype_bytes", dtype_bytes)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if continuous_batching:
-        effective, reason = continuous_batching_strategy(
-            n_query_heads, n_kv_heads, head_dim, tp_degree, requested
-        )
-    else:
-        effective, reason = resolve_strategy(
-            n_query_heads, n_kv_heads, head_dim, tp_degree, requested, batch_size
-        )
+    geometry = PlanGeometry(
+        n_query_heads, n_kv_heads, head_dim, tp_degree, batch_size, n_layers, n_positions, dtype_bytes
+    )
+    effective, reason = resolve_strategy(
+        n_query_heads, n_kv_heads, head_dim, tp_degree, requested, batch_size
+    )
     if reason and log_fallback:
         log.warning("GQA %s -> %s: %s", requested or "default", effective, reason)
-    row_bytes = 2 * n_layers * n_positions * head_dim * dtype_bytes  # K and V, per cached head
-    q_layout, kv_layout, kv_columns = layouts(n_query_heads, n_kv_heads, head_dim, tp_degree, effective)
+    return lay_out_plan(geometry, requested, effective, reason)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanGeometry:
+    """What a plan is laid out over: the model's heads, the degree, and the cache it sizes."""
+
+    n_query_heads: int
+    n_kv_heads: int
+    head_dim: int
+    tp_degree: int
+    batch_size: int = 1
+    n_layers: int = 1
+    n_positions: int = 1
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        _validate_geometry(
+            self.n_query_heads, self.n_kv_heads, self.head_dim, self.tp_degree, self.batch_size
+        )
+        for name in ("n_layers", "n_positions", "dtype_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def lay_out_plan(
+    geometry: PlanGeometry, requested: GQAStrategy | None, effective: GQAStrategy, reason: str | None
+) -> ShardingPlan:
+    """The executable plan of ``effective`` over ``geometry``, recording what was asked and why it
+    differs. A caller with its own rule for the strategy (``backends/tnx/gqa.py``) comes in here."""
+    g = geometry
+    tp_degree, batch_size = g.tp_degree, g.batch_size
+    row_bytes = 2 * g.n_layers * g.n_positions * g.head_dim * g.dtype_bytes  # K and V, per cached head
+    q_layout, kv_layout, kv_columns = layouts(g.n_query_heads, g.n_kv_heads, g.head_dim, tp_degree, effective)
     q_per, kv_per = len(q_layout) // tp_degree, len(kv_layout) // tp_degree
     rows_per = batch_size // tp_degree if effective is GQAStrategy.SHARD_OVER_BATCH else batch_size
     ranks = []
@@ -206,9 +235,9 @@ def build_sharding_plan(
             )
         )
     plan = ShardingPlan(
-        n_query_heads=n_query_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
+        n_query_heads=g.n_query_heads,
+        n_kv_heads=g.n_kv_heads,
+        head_dim=g.head_dim,
         tp_degree=tp_degree,
         batch_size=batch_size,
         requested=requested,

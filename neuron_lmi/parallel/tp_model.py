@@ -38,7 +38,7 @@ from neuron_lmi.models.args import ModelArgs
 from neuron_lmi.models.llama import DecodeInputs, DecoderLayer, LlamaForCausalLM, grouped_decode_attention
 from neuron_lmi.models.rope import apply_rotary
 from neuron_lmi.parallel.gqa import RankShard, ShardingPlan, build_sharding_plan
-from neuron_lmi.parallel.tnx_rules import DUMMY, GQAStrategy
+from neuron_lmi.parallel.head_layout import DUMMY, GQAStrategy
 from neuron_lmi.parallel.tp_mlp import MLP_SHARDERS, mlp_slice
 
 __all__ = [

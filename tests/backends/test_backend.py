@@ -64,3 +64,32 @@ def test_the_cpu_target_plan_refuses_what_it_cannot_compile(tiny_llama_dir: Path
         )
     with pytest.raises(ValueError, match="--tensor-parallel-degree"):
         CPU_BACKEND.plan(BuildRequest(resolved, {}, "cpu", 2), tiny_llama_dir, CompileOptions("compile"))
+
+
+def _project_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    found |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    return {name for name in found if name.startswith("neuron_lmi.")}
+
+
+@pytest.mark.parametrize("layer", ["models", "parallel", "runners", "config", "engine"])
+def test_a_layer_below_the_backends_imports_none(layer: str) -> None:
+    for path in sorted((PACKAGE / layer).rglob("*.py")):
+        upward = {name for name in _project_imports(path) if name.startswith("neuron_lmi.backends")}
+        assert not upward, f"{path.relative_to(PACKAGE)} imports {sorted(upward)}"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "nxdi", "tnx"])
+def test_a_backend_folder_imports_no_other_backend_folder(backend: str) -> None:
+    others = {f"neuron_lmi.backends.{name}" for name in ("cpu", "nxdi", "tnx") if name != backend}
+    for path in sorted((PACKAGE / "backends" / backend).rglob("*.py")):
+        sideways = {n for n in _project_imports(path) if any(n == o or n.startswith(o + ".") for o in others)}
+        assert not sideways, f"backends/{backend}/{path.name} imports {sorted(sideways)}"
+
+
+def test_the_transformers_neuronx_rules_live_in_its_backend() -> None:
+    assert not (PACKAGE / "parallel" / "tnx_rules.py").exists()
+    assert not (PACKAGE / "parallel" / "planner.py").exists()
+    for path in sorted((PACKAGE / "parallel").rglob("*.py")):
+        assert "continuous_batching" not in path.read_text(encoding="utf-8"), path.name

@@ -20,7 +20,7 @@ padding_side, quant)``, continuous batching forcing ``padding_side='right'``, an
 estimate instead, so context encoding reaches ``n_positions``. Under continuous batching the
 context-encoding decoders are built with batch 1 (``llama/model.py``), so ``check_gqa_fallback``
 (``decoder.py``) rewrites ``shard-over-batch`` at any tp > 1; the mapping passes what the library
-will run and says why (``tnx_rules.continuous_batching_strategy``).  LMI's keys and flag handling:
+will run and says why (``gqa.continuous_batching_strategy``).  LMI's keys and flag handling:
 djl-serving ``tnx_properties.py``.
 """
 
@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 from compile_cache.key import token_generation_buckets
 from neuron_lmi.backends.dispatch import NEURON_PIP_REPOSITORY
+from neuron_lmi.backends.tnx.gqa import continuous_batching_strategy
 from neuron_lmi.config import default_n_positions
 from neuron_lmi.config.dtypes import DTYPES
 from neuron_lmi.config.hf_config import read_hf_config
-from neuron_lmi.parallel.tnx_rules import GQAStrategy, continuous_batching_strategy
+from neuron_lmi.parallel.head_layout import GQAStrategy
 
 if TYPE_CHECKING:
     from neuron_lmi.config.options import ServingConfig

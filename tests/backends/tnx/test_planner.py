@@ -6,6 +6,12 @@ import json
 
 import pytest
 
+from neuron_lmi.backends.tnx.planner import (
+    ideal_weight_bytes_per_core,
+    plan_all_instances,
+    plan_instance,
+    weight_bytes_per_core,
+)
 from neuron_lmi.parallel.catalog import (
     GIB,
     INSTANCES,
@@ -16,12 +22,6 @@ from neuron_lmi.parallel.catalog import (
     model_spec_from_config,
 )
 from neuron_lmi.parallel.gqa import build_sharding_plan
-from neuron_lmi.parallel.planner import (
-    ideal_weight_bytes_per_core,
-    plan_all_instances,
-    plan_instance,
-    weight_bytes_per_core,
-)
 
 
 def _plan(model: str, instance: str, **kwargs):
@@ -231,8 +231,14 @@ def test_qwen3_moe_and_gemma3_configs_map_their_own_keys() -> None:
     with pytest.raises(ValueError, match="moe_intermediate_size"):
         model_spec_from_config({k: v for k, v in moe.items() if k != "moe_intermediate_size"})
     text = {
-        "num_hidden_layers": 62, "hidden_size": 5376, "num_attention_heads": 32, "num_key_value_heads": 16,
-        "head_dim": 128, "intermediate_size": 21504, "vocab_size": 262208, "max_position_embeddings": 131072,
+        "num_hidden_layers": 62,
+        "hidden_size": 5376,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 16,
+        "head_dim": 128,
+        "intermediate_size": 21504,
+        "vocab_size": 262208,
+        "max_position_embeddings": 131072,
     }  # fmt: skip  (tied: Gemma's default, stated nowhere in the published file)
     gemma = {"model_type": "gemma3", "text_config": text, "vision_config": {"hidden_size": 1152}}
     assert model_spec_from_config(gemma, name="gemma-3-27b") == PRESETS["gemma-3-27b"]

@@ -1,6 +1,7 @@
 """Capacity planning: for each tensor-parallel degree an instance supports, what one NeuronCore holds.
 
-Per core, under transformers-neuronx's layout (``gqa.build_sharding_plan``):
+Per core, under the layout transformers-neuronx runs with continuous batching
+(``gqa.continuous_batching_plan``):
 
     weights  = layers x (q, k, v, o columns of the rank's heads + gate/up/down rows of
                ceil(intermediate / tp) for every expert (one MLP when dense) + the router (experts x
@@ -25,10 +26,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from neuron_lmi.backends.tnx.gqa import continuous_batching_plan
 from neuron_lmi.config.dtypes import DTYPES
 from neuron_lmi.parallel.catalog import GIB, INSTANCES, InstanceSpec, ModelSpec
-from neuron_lmi.parallel.gqa import ShardingPlan, build_sharding_plan
-from neuron_lmi.parallel.tnx_rules import GQAStrategy
+from neuron_lmi.parallel.gqa import PlanGeometry, ShardingPlan
+from neuron_lmi.parallel.head_layout import GQAStrategy
 
 DTYPE_BYTES = {d.name: d.n_bytes for d in DTYPES.values()}  # the dtype table's, by LMI name
 DEFAULT_HEADROOM = 0.10  # NEFFs, activations, collectives' buffers and runtime scratch
@@ -211,19 +213,17 @@ def _option(
 def _plan(
     model: ModelSpec, tp: int, strategy: GQAStrategy | None, dtype_bytes: int, positions: int, batch: int
 ) -> ShardingPlan:
-    return build_sharding_plan(
+    geometry = PlanGeometry(
         model.n_heads,
         model.n_kv_heads,
         model.head_dim,
         tp,
-        strategy,
         batch_size=batch,
         n_layers=model.n_layers,
         n_positions=positions,
         dtype_bytes=dtype_bytes,
-        log_fallback=False,
-        continuous_batching=True,  # how neuron-lmi always serves: report what the library will run
     )
+    return continuous_batching_plan(geometry, strategy)  # how neuron-lmi always serves
 
 
 def _strategy_cost(model: ModelSpec, plan: ShardingPlan, dtype_bytes: int, budget: int) -> StrategyCost:

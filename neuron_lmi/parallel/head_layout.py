@@ -1,9 +1,15 @@
-"""The arithmetic transformers-neuronx (v0.13) applies to GQA heads, restated for planning.
+"""Head layouts of the four GQA sharding strategies: how query and KV heads are padded, replicated
+and ordered before ranks split them contiguously.
 
-Sources, read in aws-neuron/transformers-neuronx: ``constants.py`` (``GQA`` names),
-``decoder.py`` ``check_gqa_fallback`` (strategy fallbacks), ``utils.py`` ``get_qkv_padding`` (head
-counts) and ``pad_interleaved``, and ``DecoderLayer.to_neuron`` (query padding at the end or per KV
-group, ``repeat_interleave`` replication of KV heads, MHA KV heads padded like query heads).
+This is the sharding model every tensor-parallel path here executes: the CPU engine's tensor
+parallelism runs these layouts, and the NeuronCore planner sizes them. The strategies and their
+arithmetic are the ones transformers-neuronx (v0.13) defines, read in aws-neuron/transformers-neuronx:
+``constants.py`` (``GQA`` names), ``decoder.py`` ``check_gqa_fallback`` (which layouts a geometry
+admits, and the fallback to shard-over-heads, then replicated-heads), ``utils.py``
+``get_qkv_padding`` (head counts) and ``pad_interleaved``, and ``DecoderLayer.to_neuron`` (query
+padding at the end or per KV group, ``repeat_interleave`` replication of KV heads, MHA KV heads
+padded like query heads). What only that library does with a request, beyond the geometry (its
+continuous-batching rule), lives in ``backends/tnx/gqa.py``.
 A layout is the global head order that ranks then split contiguously; ``DUMMY`` marks a padding head.
 """
 
@@ -80,27 +86,6 @@ def resolve_strategy(
         )
         return GQAStrategy.REPLICATED_HEADS, "; ".join(reasons)
     return GQAStrategy.SHARD_OVER_HEADS, "; ".join(reasons) or None
-
-
-def continuous_batching_strategy(
-    n_query_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    tp_degree: int,
-    requested: GQAStrategy | None,
-) -> tuple[GQAStrategy, str | None]:
-    """``resolve_strategy`` under continuous batching, as the library runs it: the context-encoding
-    decoders are built with batch 1 (``llama/model.py`` ``context_batch_sizes``) and share one
-    ``neuron_config`` with the token decoder, so ``check_gqa_fallback`` rejects shard-over-batch at
-    any tp > 1 whatever the rolling batch size, and every graph runs the fallback."""
-    strategy, reason = resolve_strategy(n_query_heads, n_kv_heads, head_dim, tp_degree, requested, 1)
-    if requested is GQAStrategy.SHARD_OVER_BATCH and tp_degree > 1:
-        reason = (
-            "continuous batching builds the context-encoding decoders with batch 1, so "
-            f"transformers-neuronx replaces shard-over-batch at tp_degree={tp_degree}; "
-            + (reason or "").split("; ", 1)[-1]
-        )
-    return strategy, reason
 
 
 def qkv_padding(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from neuron_lmi.backends.tnx.planner import ideal_weight_bytes_per_core, plan_all_instances, plan_instance
 from neuron_lmi.cli import main
 from neuron_lmi.parallel.catalog import (
     GIB,
@@ -16,7 +17,6 @@ from neuron_lmi.parallel.catalog import (
     load_model_spec,
     model_spec_from_config,
 )
-from neuron_lmi.parallel.planner import ideal_weight_bytes_per_core, plan_all_instances, plan_instance
 from neuron_lmi.testing.checkpoints import make_tiny_checkpoint
 
 # config.json of mistralai/Mixtral-8x7B-v0.1 (the fields the planner reads).
