@@ -26,8 +26,10 @@ from typing import Any
 
 from gpu_fallback.adapters import VllmAdapters, start_adapters
 from gpu_fallback.config import VllmEngineConfig, engine_args_kwargs, load_chat_template, use_spawn
+from gpu_fallback.convert import ensure_safetensors_dir
 from gpu_fallback.mapping import delta_to_events, prompt_tokens, refusal, sampling_kwargs
 from gpu_fallback.metrics import SchedulerSnapshot, VllmMetricsCollector, stat_logger_class
+from neuron_lmi.backends.dispatch import cuda_device_count
 from neuron_lmi.backends.lora import LoraSettings
 from neuron_lmi.engine.admission import (
     HOST_SAMPLING,
@@ -114,8 +116,6 @@ class VllmBackend:
     @staticmethod
     def device_count() -> int:
         """Visible CUDA GPUs, counted without initialising CUDA (NVML, ``CUDA_VISIBLE_DEVICES``)."""
-        from neuron_lmi.backends.dispatch import cuda_device_count
-
         return cuda_device_count(os.environ)[0]
 
 
@@ -160,9 +160,7 @@ class VllmEngine:
         if self._model_dir is not None:
             return self._model_dir
 
-        from transformers import AutoTokenizer
-
-        from gpu_fallback.convert import ensure_safetensors_dir
+        from transformers import AutoTokenizer  # heavy: only when a model is opened
 
         model_dir = ensure_safetensors_dir(self.config.model)
         tokenizer = AutoTokenizer.from_pretrained(

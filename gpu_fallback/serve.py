@@ -13,8 +13,10 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from compile_cache import writable_cache_root
 from gpu_fallback.config import VllmEngineConfig, vllm_config_from_resolved
 from gpu_fallback.engine import VllmEngine
+from gpu_fallback.neuron_platform import neuron_platform_setup
 from neuron_lmi.backends import registry
 from neuron_lmi.backends.common import fetch, model_name, read_config_json, with_model_defaults
 from neuron_lmi.backends.lora import resolve_lora
@@ -49,9 +51,6 @@ def build_vllm_neuron_engine(request: registry.BuildRequest) -> VllmEngine:
     (``min(max_position_embeddings, 4096)``: a Neuron compile is sized by it),
     ``override_neuron_config`` and the compiled-artifacts folder. Sets ``NEURON_COMPILED_ARTIFACTS``
     in this process's environment, which vLLM's engine process inherits."""
-    from compile_cache import writable_cache_root
-    from gpu_fallback.neuron_platform import neuron_platform_setup
-
     path = fetch(request.resolved, request.env)
     resolved = with_model_defaults(request.resolved, path)
     neuron = resolved.config.neuron
