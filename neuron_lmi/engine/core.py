@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
-from itertools import accumulate
 from typing import Any
 
 import torch
@@ -25,7 +24,6 @@ from neuron_lmi.engine.grammar import GrammarCompiler
 from neuron_lmi.engine.lora import AdapterTable
 from neuron_lmi.engine.prefix import PrefixIndex
 from neuron_lmi.engine.request import EventSink, Request, Status
-from neuron_lmi.engine.sampling import SampleOutput, prompt_logprobs, sample
 from neuron_lmi.engine.scheduler import (
     DEFAULT_MIN_CHUNK,
     DEFAULT_STEP_TOKENS,
@@ -42,6 +40,7 @@ from neuron_lmi.engine.speculation import (
     verify_tokens,
 )
 from neuron_lmi.engine.step_clock import ForwardTimer
+from neuron_lmi.engine.step_output import LineSampler, closing_event, scored_prompt, speculative_lines
 from neuron_lmi.engine.types import (
     EngineStats,
     FinishReason,
@@ -108,6 +107,7 @@ class EngineCore:
             self.admission.adapters = adapters.served
         self._stop_ids = sorted(self.eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, runner.vocab_size, self._stop_ids)
+        self.line_sampler = LineSampler(capabilities.device_sampling, type(runner).__name__, self._stop_ids)
         # The sampler's draw is a native kernel: built (once per host) or loaded now, at start-up,
         # rather than on the first sampled request.
         ops.kernels()
@@ -252,15 +252,15 @@ class EngineCore:
             return [e for i in lines for e in self._run(batch.line(i), [requests[i]])]
         try:
             logits, tokens, runs = self._forward(batch, requests)
-            logits, spans = _speculative_lines(batch, logits)
+            logits, spans = speculative_lines(batch, logits)
             sampled = requests
             if spans or not all(batch.samples):  # a non-final prompt chunk samples nothing
                 keep = [i for i, s in enumerate(batch.samples) if s and i not in spans]
                 sampled = [requests[i] for i in keep]
                 logits = logits[keep] if logits is not None else None
                 tokens = tokens[keep] if tokens is not None else None
-            out = self._sample(logits, tokens, sampled) if sampled else None
-            kept = self._device_runs(runs, requests) if runs is not None else {}
+            out = self.line_sampler.sample(logits, tokens, sampled) if sampled else None
+            kept = self.line_sampler.device_runs(runs, requests) if runs is not None else {}
             speculator = self.speculator  # set wherever a batch has verify lines (spans)
             drawn = {
                 i: speculator.verify(span, batch.chunks[i][1:], requests[i])  # type: ignore[union-attr]
@@ -286,7 +286,7 @@ class EngineCore:
                 TopToken(t, "", lp) for t, lp in zip(out.top_ids[i], out.top_logprobs[i], strict=True)
             )
             try:
-                prompt = self._scored_prompt(request)
+                prompt = scored_prompt(request, self._prompt_logits)
             except Exception as exc:  # scoring fails this request only
                 log.exception("scoring the prompt of %s failed", request.request_id)
                 events.append(self._fail(request, exc))
@@ -337,19 +337,6 @@ class EngineCore:
             self.speculator.observe_forward(sum(map(len, batch.chunks)), timer.forward_s - began)
         return logits, tokens, runs
 
-    def _device_runs(
-        self, runs: tuple[tuple[int, ...], ...], requests: list[Request]
-    ) -> dict[int, tuple[int, ...]]:
-        """The lines whose tokens are the device's accepted run: those the device sampled (a line
-        the host samples takes one token from the logits of its first position, as without
-        speculation: its row keeps that position only)."""
-        device = self.capabilities.device_sampling
-        if device is None or len(runs) != len(requests):
-            name = type(self.runner).__name__
-            raise RuntimeError(f"{name} returned {len(runs)} runs for {len(requests)} lines")
-        pairs = enumerate(zip(runs, requests, strict=True))
-        return {i: run for i, (run, r) in pairs if host_field(r.params, device) is None}
-
     def _accept_run(self, request: Request, start: int, run: tuple[int, ...]) -> list[TokenEvent]:
         """Apply a device-verified line (fused speculation): the row keeps the K/V of its input and
         the accepted drafts (``start + len(run)`` positions; what the device wrote past them is
@@ -364,50 +351,8 @@ class EngineCore:
                 break
         return events
 
-    def _sample(
-        self, logits: torch.Tensor | None, tokens: torch.Tensor | None, requests: list[Request]
-    ) -> SampleOutput:
-        """The device's tokens where it could draw them; the host sampler for the other lines."""
-        device = self.capabilities.device_sampling
-        if device is None or tokens is None:
-            return self._host_sample(logits, requests)
-        host = [i for i, r in enumerate(requests) if host_field(r.params, device) is not None]
-        n = len(requests)
-        out = SampleOutput([int(t) for t in tokens.tolist()], [0.0] * n, [[]] * n, [[]] * n)
-        if host:
-            rows = logits[host] if logits is not None else None
-            part = self._host_sample(rows, [requests[i] for i in host])
-            for j, i in enumerate(host):
-                out.tokens[i], out.logprobs[i] = part.tokens[j], part.logprobs[j]
-                out.top_ids[i], out.top_logprobs[i] = part.top_ids[j], part.top_logprobs[j]
-        return out
-
-    def _host_sample(self, logits: torch.Tensor | None, requests: list[Request]) -> SampleOutput:
-        if logits is None:  # admission refuses such requests (Admission._check_backend): never sampled greedy
-            raise RuntimeError(f"{type(self.runner).__name__} returned no logits to sample on the host")
-        return sample(
-            logits,
-            [r.params for r in requests],
-            [r.all_ids for r in requests],
-            [r.generator for r in requests],
-            outputs=[r.output_ids for r in requests],
-            grammars=[r.grammar for r in requests],
-            stop_ids=self._stop_ids,
-        )
-
-    def _scored_prompt(self, request: Request) -> tuple[PromptToken, ...] | None:
-        """The prompt with its log-probabilities, for the first event of a request that asked."""
-        top_n = request.params.prompt_logprobs
-        if top_n is None or request.output_ids:
-            return None
-        ids = request.prompt_ids
-        logits = self.forward_timer.timed(lambda: self.runner.prompt_logits(ids))
-        chosen, top_ids, top_lps = prompt_logprobs(logits, ids, top_n)
-        rest = (
-            PromptToken(t, "", lp, tuple(TopToken(a, "", v) for a, v in zip(ti, tv, strict=True)))
-            for t, lp, ti, tv in zip(ids[1:], chosen, top_ids, top_lps, strict=True)
-        )
-        return (PromptToken(ids[0], "", None), *rest)
+    def _prompt_logits(self, ids: list[int]) -> torch.Tensor:
+        return self.forward_timer.timed(lambda: self.runner.prompt_logits(ids))
 
     def _accept(
         self,
@@ -448,7 +393,7 @@ class EngineCore:
     def _fail(self, request: Request, exc: Exception, doing: str | None = None) -> TokenEvent:
         if doing is not None:
             log.error("%s request %s failed", doing, request.request_id, exc_info=exc)
-        event = _closing_event(request, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+        event = closing_event(request, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
         self._finish(request, FinishReason.ERROR, emit=False)
         self._emit(request, event)
         return event
@@ -464,7 +409,7 @@ class EngineCore:
         request.status = Status.FINISHED
         request.finish_reason = reason
         if emit:
-            self._emit(request, _closing_event(request, reason))
+            self._emit(request, closing_event(request, reason))
 
     @staticmethod
     def _emit(request: Request, event: TokenEvent) -> None:
@@ -483,32 +428,3 @@ class EngineCore:
             alive=alive,
             extra=counters.extra() if counters is not None else {},
         )
-
-
-def _speculative_lines(
-    batch: StepBatch, logits: torch.Tensor | None
-) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
-    """A forward's logits as one row per line (each line's last position), and for each speculative
-    line (``StepBatch.logit_counts`` above 1) the logits of all its positions."""
-    if not batch.logit_counts or logits is None:
-        return logits, {}
-    ends = list(accumulate(batch.logit_counts))
-    counts = enumerate(zip(ends, batch.logit_counts, strict=True))
-    spans = {i: logits[end - n : end] for i, (end, n) in counts if n > 1}
-    return logits[[end - 1 for end in ends]], spans
-
-
-def _closing_event(request: Request, reason: FinishReason, error: str | None = None) -> TokenEvent:
-    """The last event of a request that ends without a token (abort, error): ``token_id == -1``."""
-    return TokenEvent(
-        request_id=request.request_id,
-        index=len(request.output_ids),
-        token_id=-1,
-        token_text="",
-        text="",
-        logprob=0.0,
-        special=False,
-        prompt_tokens=len(request.prompt_ids),
-        finish_reason=reason,
-        error=error,
-    )

@@ -1,11 +1,11 @@
 """Stop sequences matched on text, in one of three ways (``StopText``):
 
-    CUT      the match and everything after it never reach the client (OpenAI); text that could be
-             the start of a stop sequence is held back until it completes one or can no longer match
-    INCLUDE  the text ends with the stop sequence (vLLM's include_stop_str_in_output); held back
-             is nothing, since whatever precedes a match is printed either way
-    TOKEN    the text ends with the token that completed the match (TGI, LMI): every token's text
-             is printed as it comes, so the tokens' texts add up to the text
+CUT      the match and everything after it never reach the client (OpenAI); text that could be
+         the start of a stop sequence is held back until it completes one or can no longer match
+INCLUDE  the text ends with the stop sequence (vLLM's include_stop_str_in_output); held back
+         is nothing, since whatever precedes a match is printed either way
+TOKEN    the text ends with the token that completed the match (TGI, LMI): every token's text
+         is printed as it comes, so the tokens' texts add up to the text
 """
 
 from __future__ import annotations
